@@ -1,0 +1,346 @@
+"""One typed, validated configuration for a megatron-qrl run.
+
+Loaded from YAML, then dotted CLI overrides (`trainer.tensor_parallel=2`) are applied, then every field
+and every cross-field combination is validated *before* any process group starts. A bad value raises
+`ConfigError` whose message names the field and the fix.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: the message names the field and how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Qwen3-MoE-style decoder: RMSNorm, GQA + QK-norm + RoPE, SwiGLU routed experts (+ optional shared)."""
+
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(128, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int = Field(2, ge=1)
+    kv_channels: Optional[int] = Field(None, ge=1, description="head dim; default hidden/heads")
+    ffn_hidden_size: int = Field(256, ge=1, description="dense MLP size (layers not in moe_layer_freq)")
+    num_experts: int = Field(8, ge=0, description="0 = dense model")
+    moe_router_topk: int = Field(2, ge=1)
+    moe_ffn_hidden_size: int = Field(128, ge=1)
+    moe_shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="0 = no shared expert")
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    qk_layernorm: bool = True
+    rotary_base: int = Field(10000, ge=1)
+    norm_epsilon: float = Field(1e-6, gt=0)
+    vocab_size: int = Field(64, ge=2)
+    max_sequence_length: int = Field(128, ge=2)
+    init_method_std: float = Field(0.02, gt=0)
+    untie_embeddings_and_output_weights: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+class QuantConfig(_Section):
+    """FP4 quantization-aware training in the trainer (METHODS.md section 2)."""
+
+    format: Literal["nvfp4", "mxfp4", "bf16"] = "nvfp4"
+    qat: bool = True
+    targets: Literal["routed_experts", "all_linears"] = "routed_experts"
+    scheme: Literal["w4a4", "w4a16"] = "w4a4"
+
+
+class TrainerConfig(_Section):
+    """Megatron-Core trainer: parallel layout, optimizer, schedule."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    expert_parallel: int = Field(1, ge=1)
+    expert_tensor_parallel: int = Field(1, ge=1)
+    sequence_parallel: Optional[bool] = Field(None, description="default: on when TP>1 with MoE")
+    micro_batch_size: int = Field(4, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    clip_grad: float = Field(1.0, ge=0)
+    bf16: bool = False
+    use_distributed_optimizer: bool = True
+    seed: int = 1234
+
+
+class RolloutConfig(_Section):
+    """Rollout engine and sampling."""
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    weights: Literal["nvfp4", "mxfp4", "bf16"] = "nvfp4"
+    scheme: Literal["w4a4", "w4a16"] = "w4a4"
+    kv_cache: Literal["bf16", "fp8", "fp4"] = "bf16"
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    num_engine_ranks: int = Field(1, ge=1, description="disaggregated: ranks that run engines")
+    group_size: int = Field(8, ge=1, description="responses per prompt (GRPO group)")
+    prompts_per_step: int = Field(8, ge=1)
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    max_batch_size: int = Field(256, ge=1, description="continuous batching: concurrent sequences")
+    seed: int = 0
+
+
+class AISConfig(_Section):
+    """Adaptive importance sampling constants (METHODS.md section 4)."""
+
+    C: float = Field(2.0, gt=0, description="truncation of rho")
+    delta: float = Field(0.05, gt=0, description="divergence at which alpha_mis saturates")
+    gamma: float = Field(1.0, gt=0, description="tolerated variance amplification")
+    beta: float = Field(0.5, ge=0, description="weight of the variance penalty")
+
+
+class RLConfig(_Section):
+    """GRPO and the rollout/train mismatch correction (METHODS.md sections 4 and 7)."""
+
+    is_method: Literal["none", "tis", "mis", "icepop", "ais"] = "ais"
+    ais: AISConfig = AISConfig()
+    tis_C: float = Field(2.0, gt=0)
+    mis_U: float = Field(2.0, gt=1)
+    mis_level: Literal["token", "sequence"] = "token"
+    icepop_low: float = Field(0.5, gt=0)
+    icepop_high: float = Field(2.0, gt=0)
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.28, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    normalize_std: bool = True
+    updates_per_batch: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _icepop(self):
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(
+                f"rl.icepop_low ({self.icepop_low}) must be < rl.icepop_high ({self.icepop_high}); "
+                "set e.g. rl.icepop_low=0.5 rl.icepop_high=2.0"
+            )
+        return self
+
+
+class AQNConfig(_Section):
+    """Adaptive quantization noise in RMSNorm weights (METHODS.md section 5)."""
+
+    enabled: bool = True
+    sigma_start: float = Field(1e-2, gt=0)
+    sigma_end: float = Field(1e-4, gt=0)
+    stages: int = Field(10, ge=3, description="K; stage 0 is noise-free")
+    apply_to: Literal["rollout", "both"] = "rollout"
+
+
+class TraceConfig(_Section):
+    """TRACE rollout-guided rounding (METHODS.md section 3)."""
+
+    enabled: bool = True
+    num_cached_layers: Optional[int] = Field(None, ge=0, description="deepest N layers; default half")
+    memory_budget_mb: float = Field(1024.0, gt=0)
+    spill_dir: Optional[str] = None
+    fallback_shift: float = Field(0.25, ge=0, le=0.5, description="RTN fallback beyond this shift")
+
+
+class R3Config(_Section):
+    enabled: bool = True
+
+
+class DataConfig(_Section):
+    task: Literal["arithmetic", "countdown", "jsonl", "parquet", "gsm8k"] = "arithmetic"
+    path: Optional[str] = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward: Optional[str] = Field(None, description="user reward 'module:function'")
+    eval_size: int = Field(64, ge=1)
+    seed: int = 0
+
+
+class RunConfig(_Section):
+    output_dir: str = "runs/tiny_cpu"
+    total_steps: int = Field(20, ge=1)
+    sft_steps: int = Field(0, ge=0, description="SFT warm start when no checkpoint exists")
+    eval_every: int = Field(10, ge=0)
+    checkpoint_every: int = Field(10, ge=0)
+    resume: bool = True
+    wandb_project: str = "megatron-qrl"
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
+    max_nonfinite_steps: int = Field(3, ge=1)
+    seed: int = 0
+
+
+class QRLConfig(_Section):
+    """The whole run. Cross-field checks live here."""
+
+    model: ModelConfig = ModelConfig()
+    quant: QuantConfig = QuantConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    rl: RLConfig = RLConfig()
+    aqn: AQNConfig = AQNConfig()
+    trace: TraceConfig = TraceConfig()
+    r3: R3Config = R3Config()
+    data: DataConfig = DataConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        m, t = self.model, self.trainer
+        errs = []
+        if m.num_attention_heads % m.num_query_groups:
+            errs.append(f"model.num_query_groups ({m.num_query_groups}) must divide model.num_attention_heads "
+                        f"({m.num_attention_heads})")
+        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+            errs.append(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
+                        f"({m.num_attention_heads}), or set model.kv_channels")
+        if m.num_attention_heads % t.tensor_parallel:
+            errs.append(f"trainer.tensor_parallel ({t.tensor_parallel}) must divide model.num_attention_heads "
+                        f"({m.num_attention_heads}); choose a divisor")
+        if m.num_query_groups % t.tensor_parallel:
+            errs.append(f"trainer.tensor_parallel ({t.tensor_parallel}) must divide model.num_query_groups "
+                        f"({m.num_query_groups}); choose a divisor")
+        if m.num_layers % t.pipeline_parallel:
+            errs.append(f"trainer.pipeline_parallel ({t.pipeline_parallel}) must divide model.num_layers "
+                        f"({m.num_layers})")
+        if m.num_experts:
+            if m.moe_router_topk > m.num_experts:
+                errs.append(f"model.moe_router_topk ({m.moe_router_topk}) must be <= model.num_experts "
+                            f"({m.num_experts})")
+            if m.num_experts % t.expert_parallel:
+                errs.append(f"trainer.expert_parallel ({t.expert_parallel}) must divide model.num_experts "
+                            f"({m.num_experts}); choose a divisor")
+        elif t.expert_parallel > 1:
+            errs.append("trainer.expert_parallel > 1 needs an MoE model: set model.num_experts > 0 "
+                        "or trainer.expert_parallel=1")
+        if t.sequence_parallel is False and t.tensor_parallel > 1 and m.num_experts:
+            errs.append("trainer.sequence_parallel=false with tensor_parallel > 1 and MoE is not supported by "
+                        "Megatron-Core; set trainer.sequence_parallel=true (or leave it unset)")
+        if t.min_lr > t.lr:
+            errs.append(f"trainer.min_lr ({t.min_lr}) must be <= trainer.lr ({t.lr})")
+        if self.quant.format != "bf16":
+            block = 16 if self.quant.format == "nvfp4" else 32
+            for name, size in [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size",
+                               m.moe_ffn_hidden_size), ("model.ffn_hidden_size", m.ffn_hidden_size)]:
+                shard = size // max(1, t.tensor_parallel if name != "model.hidden_size" else 1)
+                if shard % block:
+                    errs.append(f"{name} ({size}, per TP shard {shard}) must be a multiple of the "
+                                f"{self.quant.format} block ({block}) for FP4 QAT; pad it or set quant.format=bf16")
+        nc = self.trace.num_cached_layers
+        if nc is not None and nc > m.num_layers:
+            errs.append(f"trace.num_cached_layers ({nc}) must be <= model.num_layers ({m.num_layers})")
+        if self.trace.enabled and m.num_experts and not self.r3.enabled:
+            errs.append("trace.enabled with an MoE model needs routing replay: set r3.enabled=true "
+                        "(or trace.enabled=false); see METHODS.md section 3.4")
+        if self.trace.enabled and self.rollout.weights == "bf16":
+            errs.append("trace.enabled needs FP4 rollouts: set rollout.weights=nvfp4 (or trace.enabled=false)")
+        if self.trace.enabled and self.rollout.scheme != "w4a4":
+            errs.append("trace.enabled needs quantized activations: set rollout.scheme=w4a4 "
+                        "(or trace.enabled=false)")
+        if self.aqn.sigma_end > self.aqn.sigma_start:
+            errs.append(f"aqn.sigma_end ({self.aqn.sigma_end}) must be <= aqn.sigma_start ({self.aqn.sigma_start})")
+        if self.rollout.engine == "sglang" and self.trace.enabled:
+            errs.append("rollout.engine=sglang cannot capture TRACE bits (docs/sglang.md); set trace.enabled=false")
+        if self.rollout.max_new_tokens + 8 > m.max_sequence_length:
+            errs.append(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for prompts in "
+                        f"model.max_sequence_length ({m.max_sequence_length}); raise the latter")
+        if self.data.task in ("jsonl", "parquet", "gsm8k") and not self.data.path:
+            errs.append(f"data.task={self.data.task} reads a local file: set data.path=/path/to/file")
+        if errs:
+            raise ValueError("; ".join(errs))
+        return self
+
+    def model_parallel_size(self) -> int:
+        return self.trainer.tensor_parallel * self.trainer.pipeline_parallel
+
+    def check_world_size(self, world_size: int) -> None:
+        """Fail before process groups start when the layout cannot tile the world."""
+        t = self.trainer
+        mp = t.tensor_parallel * t.pipeline_parallel
+        if world_size % mp:
+            raise ConfigError(f"trainer.tensor_parallel*trainer.pipeline_parallel ({mp}) must divide the number "
+                              f"of trainer ranks ({world_size}); change the layout or the process count")
+        dp = world_size // mp
+        if (dp * t.tensor_parallel) % (t.expert_parallel * t.expert_tensor_parallel):
+            raise ConfigError(f"trainer.expert_parallel*trainer.expert_tensor_parallel "
+                              f"({t.expert_parallel * t.expert_tensor_parallel}) must divide data*tensor parallel "
+                              f"({dp * t.tensor_parallel}) with {world_size} ranks")
+
+    def cached_layers(self) -> list[int]:
+        """Indices of the layers whose activation rounding TRACE caches (the deepest ones)."""
+        if not self.trace.enabled:
+            return []
+        n = self.trace.num_cached_layers
+        if n is None:
+            n = math.ceil(self.model.num_layers / 2)
+        return list(range(self.model.num_layers - n, self.model.num_layers))
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (values parsed as YAML scalars) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form section.field=value "
+                              "(e.g. trainer.tensor_parallel=2)")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{p}' is not a section")
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against docs/configuration.md"
+        lines.append(f"{loc}: {msg}" + (f" (got {e['input']!r})" if e["type"] != "value_error" and
+                                         not isinstance(e.get("input"), dict) else ""))
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def from_dict(data: dict) -> QRLConfig:
+    try:
+        return QRLConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> QRLConfig:
+    """YAML file (optional) + dotted overrides -> validated QRLConfig."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist; pass --config configs/tiny_cpu.yaml or another "
+                              "file under configs/")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, trainer:, ...)")
+        data = loaded
+    return from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def dump_config(cfg: QRLConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

@@ -1,0 +1,122 @@
+"""NVFP4: E2M1 codes in blocks of 16 along K, one E4M3 scale per block, one FP32 scale per tensor.
+
+The operation order is ModelOpt's (`NVFP4QTensor`), so codes and scales agree with it bit for bit:
+    s_global = amax(|x|) / (6 * 448)
+    s_block  = e4m3(clamp(block_amax / (6 * s_global), 2^-9, 448))     (0 -> 1.0 before the cast)
+    code     = round(x / (f32(s_block) * s_global))                     (nearest: ties to even)
+Every other path (Triton kernels, export, weight sync) must reproduce these bytes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import e2m1
+from .validate import check_input, check_packed
+
+BLOCK = 16
+E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0 ** -9
+ROUNDING_MODES = ("nearest", "stochastic", "guided")
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor FP32 scale. An all-zero tensor gets 1/(6*448) (ModelOpt would produce NaN scales)."""
+    amax = x.detach().abs().amax().float()
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return amax / (e2m1.E2M1_MAX * E4M3_MAX)
+
+
+def nvfp4_block_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 scale per block of 16 along the last dim: float8_e4m3fn [..., K/16]."""
+    blocks = x.detach().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    block_amax = blocks.abs().amax(dim=-1).float()
+    scale = block_amax / (e2m1.E2M1_MAX * global_scale.float())
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def nvfp4_scaled(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """z = x / (s_block * s_global) in float32, shaped like x."""
+    blocks = x.detach().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK).float()
+    denom = scales.to(torch.float32) * global_scale.float()
+    return (blocks / denom.unsqueeze(-1)).reshape(x.shape)
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    global_scale: Optional[torch.Tensor] = None,
+    rounding: str = "nearest",
+    *,
+    scales: Optional[torch.Tensor] = None,
+    trace_bits: Optional[torch.Tensor] = None,
+    capture: bool = False,
+    generator: Optional[torch.Generator] = None,
+    fallback_shift: float = 0.25,
+    stats: Optional[dict] = None,
+):
+    """Quantize x (fp32/fp16/bf16, last dim a multiple of 16) to packed NVFP4.
+
+    Returns (packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim) and, with
+    capture=True, a 4th item: the mantissa bit of every chosen code packed 8 per byte, uint8 [..., K/8].
+
+    rounding="guided" replays a rollout: pass the rollout's `scales`, `global_scale` and packed
+    `trace_bits`; elements too far from the rollout's choice fall back to nearest, counted in
+    stats["guided_fallback"] when a dict is given. rounding="stochastic" draws from `generator`.
+    """
+    check_input(x, BLOCK, "nvfp4_quantize")
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding='{rounding}' is not supported; use one of {ROUNDING_MODES}")
+    if global_scale is None:
+        if rounding == "guided":
+            raise ValueError("rounding='guided' needs the rollout's global_scale (and scales, trace_bits)")
+        global_scale = nvfp4_global_scale(x)
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
+    if scales is None:
+        if rounding == "guided":
+            raise ValueError("rounding='guided' needs the rollout's block scales: pass scales=")
+        scales = nvfp4_block_scales(x, global_scale)
+    elif scales.shape != (*x.shape[:-1], x.shape[-1] // BLOCK) or scales.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"scales must be float8_e4m3fn {(*x.shape[:-1], x.shape[-1] // BLOCK)}, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    z = nvfp4_scaled(x, scales, global_scale)
+    codes = _round(z, rounding, trace_bits, generator, fallback_shift, stats)
+    packed = e2m1.pack_nibbles(codes)
+    if capture:
+        return packed, scales, global_scale, e2m1.pack_bits(e2m1.mantissa_bits(codes))
+    return packed, scales, global_scale
+
+
+def _round(z, rounding, trace_bits, generator, fallback_shift, stats):
+    if rounding == "nearest":
+        return e2m1.round_nearest(z)
+    if rounding == "stochastic":
+        return e2m1.round_stochastic(z, generator)
+    if trace_bits is None:
+        raise ValueError("rounding='guided' needs trace_bits (the rollout's packed mantissa bits)")
+    expected = (*z.shape[:-1], z.shape[-1] // 8)
+    if tuple(trace_bits.shape) != expected or trace_bits.dtype != torch.uint8:
+        raise ValueError(f"trace_bits must be uint8 {expected} (8 bits per byte), got "
+                         f"{trace_bits.dtype} {tuple(trace_bits.shape)}")
+    codes, fallback = e2m1.round_guided(z, e2m1.unpack_bits(trace_bits), fallback_shift)
+    if stats is not None:
+        stats["guided_fallback"] = stats.get("guided_fallback", 0) + int(fallback.sum())
+        stats["guided_elements"] = stats.get("guided_elements", 0) + fallback.numel()
+    return codes
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """codes * f32(s_block) * s_global, computed in float32 then cast to dtype."""
+    check_packed(packed, scales, BLOCK, "nvfp4_dequantize")
+    values = e2m1.code_values(packed.device)[e2m1.unpack_nibbles(packed).long()]
+    per_block = scales.to(torch.float32) * torch.as_tensor(global_scale, dtype=torch.float32,
+                                                           device=packed.device)
+    out = values.reshape(*values.shape[:-1], -1, BLOCK) * per_block.unsqueeze(-1)
+    return out.reshape(values.shape).to(dtype)
+
+
+def nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Unpacked 4-bit codes, uint8 [..., K]."""
+    return e2m1.unpack_nibbles(packed)
