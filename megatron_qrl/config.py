@@ -123,6 +123,8 @@ class RLConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)
     normalize_std: bool = True
     updates_per_batch: int = Field(1, ge=1)
+    mask_weight: Literal["rho", "one"] = Field(
+        "rho", description="mis/icepop: weight of kept tokens (rho = masked IS, one = pure masking)")
 
     @model_validator(mode="after")
     def _icepop(self):
@@ -166,6 +168,11 @@ class DataConfig(_Section):
     reward: Optional[str] = Field(None, description="user reward 'module:function'")
     eval_size: int = Field(64, ge=1)
     seed: int = 0
+    synthetic_size: int = Field(100_000, ge=1, description="arithmetic/countdown: samples per epoch")
+    max_operand: int = Field(20, ge=1, description="arithmetic: operands in [0, max_operand)")
+    countdown_numbers: int = Field(3, ge=2, description="countdown: numbers per puzzle")
+    countdown_max_number: int = Field(10, ge=1, description="countdown: numbers in [1, max]")
+    reward_time_limit_s: float = Field(1.0, ge=0, description="per-sample limit for a user reward fn; 0=off")
 
 
 class RunConfig(_Section):
