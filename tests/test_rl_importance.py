@@ -139,3 +139,17 @@ def test_weights_detached_and_errors():
         is_weights(lt, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), "bogus", {})
     with pytest.raises(ValueError, match="shape"):
         is_weights(lt, torch.zeros(1, 3), torch.ones(1), torch.ones(1, 2), "tis", {})
+
+
+@pytest.mark.parametrize("method", ["none", "tis", "mis", "icepop", "ais"])
+def test_required_stats_and_config_objects(method):
+    lt, lr = _logps([[0.4, 1.5, 2.5, 0.9]])
+    cfg = RLConfig(tis_C=1.2, mis_U=1.6, icepop_low=0.5, icepop_high=1.4, mask_weight="one")
+    w, st = is_weights(lt, lr, torch.tensor([1.0]), torch.ones(1, 4), method, cfg)
+    for key in ("is/weight_mean", "is/masked_frac", "mismatch/logp_abs_diff"):
+        assert isinstance(st[key], float)
+    if method == "ais":
+        assert {"ais/alpha", "ais/alpha_ess", "ais/alpha_mis", "ais/alpha_var"} <= set(st)
+    expected = {"none": [1, 1, 1, 1], "tis": [0.4, 1.2, 1.2, 0.9], "mis": [0, 1, 0, 1], "icepop": [0, 0, 0, 1]}
+    if method in expected:
+        assert w[0].tolist() == pytest.approx(expected[method], abs=1e-6)

@@ -78,3 +78,12 @@ def test_padding_garbage_and_empty_mask():
     loss, st = policy_loss(lp, lp.detach(), torch.ones(2), torch.zeros(2, 3))
     loss.backward()
     assert loss.item() == 0.0 and all(math.isfinite(float(v)) for v in st.values())
+
+
+def test_bf16_inputs_are_upcast():
+    lp_old = torch.tensor([[-1.0, -2.0]], dtype=torch.bfloat16)
+    lp_new = (lp_old.float() + torch.tensor([[0.01, -0.01]])).to(torch.bfloat16).requires_grad_(True)
+    loss, _ = policy_loss(lp_new, lp_old, torch.ones(1), torch.ones(1, 2))
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert lp_new.grad.dtype == torch.bfloat16

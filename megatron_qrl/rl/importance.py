@@ -111,7 +111,7 @@ def is_weights(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor, advanta
     if logp_train_old.shape != logp_rollout.shape or logp_train_old.shape != mask.shape:
         raise ValueError(f"shape mismatch: logp_train_old {tuple(logp_train_old.shape)}, logp_rollout "
                          f"{tuple(logp_rollout.shape)}, mask {tuple(mask.shape)}")
-    out_dtype = logp_train_old.dtype if logp_train_old.is_floating_point() else torch.float32
+    out_dtype = torch.promote_types(logp_train_old.dtype, torch.float32)  # never round weights to bf16
     valid = mask.detach().ne(0)
     v = valid.to(torch.float64)
     lt = logp_train_old.detach().to(torch.float64)

@@ -33,6 +33,8 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     and kl/ref_kl when a reference is used.
     """
     valid = mask.detach().ne(0)
+    # bf16 log-probs would make exp(ratio) coarse (~0.4% steps): compute in at least float32
+    logp_new = logp_new.to(torch.promote_types(logp_new.dtype, torch.float32))
     zeros = torch.zeros_like(logp_new)
     # masking the inputs (not only the output) keeps NaN/inf at padding out of the forward and the gradient
     log_ratio = torch.where(valid, logp_new - logp_old.detach().to(logp_new.dtype), zeros)
