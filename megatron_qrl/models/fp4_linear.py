@@ -1,0 +1,262 @@
+"""FP4-aware Megatron linears: QAT fake quantization of the weight and of the input (METHODS.md section 2).
+
+`FP4ColumnParallelLinear` / `FP4RowParallelLinear` subclass Megatron's ColumnParallelLinear /
+RowParallelLinear and change one thing: `_forward_impl` (the local GEMM, after Megatron's own
+communication set-up) sees `fake_quant(input)` and `fake_quant(weight)` instead of the originals. The
+straight-through estimator keeps gradients identity, master weights stay high precision. Routed experts
+use the same classes (SequentialMLP builds its experts from MLP linears).
+
+Sharded tensors quantize exactly as the unsharded tensor would. Blocks run along K (the last dim), so
+each block lies inside one shard as long as the per-shard K is a multiple of the block (the config
+validates it); what couples shards is the per-tensor FP32 global scale (NVFP4), built from amax:
+- weight: amax all-reduced (MAX) over the linear's tensor-parallel group (the expert-TP group for
+  routed experts), because every TP layout shards a weight;
+- input of a row-parallel linear: K-sharded over TP -> amax all-reduced over the TP group;
+- input of a column-parallel linear with sequence parallelism: token-sharded -> amax all-reduced over
+  the TP group; without sequence parallelism the input is replicated and no reduction is needed;
+- input of a routed expert: the tokens dispatched to that expert (the token dispatcher already gathers
+  them over EP and expert-TP); its amax is local. Because the activation global scale is dynamic (per
+  tensor per forward), it depends on which tokens share the tensor: identical under TP/SP/PP, but
+  data-parallel sharding changes which tokens meet at an expert, so W4A4 expert activations differ
+  slightly between layouts with different data-parallel micro-batch composition. TRACE guides carry
+  the rollout's scales and remove this dependence for guided sites.
+
+Activation sites have stable names (see `site_name`): "L{layer}.{role}" or "L{layer}.{role}.E{expert}",
+with the global 0-based layer index and global expert index. A guide provider
+(`set_guide_provider`) may return a `GuidedRounding` for a site and micro-batch (TRACE replay); a
+capture sink (`capture_activations`) receives the codes/bits/scales each site used.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_qrl.quant import GuidedRounding
+from megatron_qrl.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from megatron_qrl.quant.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
+
+FP4_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """What one linear quantizes; built by the spec from `cfg.quant` and the linear's role."""
+
+    format: str = "nvfp4"          # nvfp4 | mxfp4 | bf16 (bf16 = no quantization)
+    weights: bool = True
+    activations: bool = True
+    fallback_shift: float = 0.25   # TRACE: guided elements beyond this shift fall back to nearest
+
+    @property
+    def enabled(self) -> bool:
+        return self.format != "bf16" and (self.weights or self.activations)
+
+
+OFF = QuantSettings(format="bf16", weights=False, activations=False)
+
+
+@dataclass
+class CaptureRecord:
+    """The FP4 encoding one site used for one forward call (the engine and TRACE reuse it)."""
+
+    site: str
+    packed: torch.Tensor                 # uint8 [..., K/2] E2M1 codes
+    scales: torch.Tensor                 # float8_e4m3fn [..., K/16] (NVFP4) or uint8 E8M0 [..., K/32]
+    global_scale: Optional[torch.Tensor]  # fp32 0-dim (NVFP4) / None (MXFP4)
+    bits: torch.Tensor                   # uint8 [..., K/8] mantissa bits (the TRACE cache payload)
+
+
+@dataclass
+class QuantSite:
+    """Identity of one quantized activation site plus its optional guide provider and capture sink."""
+
+    name: str = ""
+    layer: int = -1                 # global 0-based layer index
+    role: str = ""                  # qkv | proj | fc1 | fc2 | shared_fc1 | shared_fc2
+    expert: Optional[int] = None    # global expert index for routed experts
+    k_offset: int = 0               # this rank's offset along the full K (row-parallel under TP)
+    k_total: int = 0                # the full (unsharded) K
+    guide_provider: Optional[Callable[["QuantSite", torch.Tensor], Optional[GuidedRounding]]] = None
+    capture_sink: Optional[list] = None
+    stats: dict = field(default_factory=dict)
+
+
+def site_name(layer: int, role: str, expert: Optional[int] = None) -> str:
+    """Stable site name shared by trainer, engine and TRACE cache: 'L3.fc1.E17', 'L0.qkv'."""
+    return f"L{layer}.{role}" + (f".E{expert}" if expert is not None else "")
+
+
+def _global_amax(x: torch.Tensor, group) -> torch.Tensor:
+    amax = x.detach().abs().amax().float()
+    if group is not None and dist.is_initialized() and group.size() > 1:
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[GuidedRounding] = None,
+                        capture: bool = False, fallback_shift: float = 0.25,
+                        stats: Optional[dict] = None):
+    """dequant(quant(x)) without gradient, with the global amax reduced over `group`.
+
+    Returns (dequantized x in x.dtype, CaptureRecord fields or None). The codec does the rounding, so the
+    bytes are exactly those the engine and the exporter compute.
+    """
+    with torch.no_grad():
+        if fmt == "nvfp4":
+            if guide is not None:
+                out = nvfp4_quantize(x, guide.global_scale, "guided", scales=guide.scales,
+                                     trace_bits=guide.bits, capture=capture, fallback_shift=fallback_shift,
+                                     stats=stats)
+            else:
+                gs = nvfp4_global_scale(_global_amax(x, group))
+                out = nvfp4_quantize(x, gs, "nearest", capture=capture)
+            packed, scales, gs = out[:3]
+            deq = nvfp4_dequantize(packed, scales, gs, dtype=x.dtype)
+            return deq, ((packed, scales, gs, out[3]) if capture else None)
+        if fmt == "mxfp4":
+            if guide is not None:
+                out = mxfp4_quantize(x, "guided", scales=guide.scales, trace_bits=guide.bits, capture=capture,
+                                     fallback_shift=fallback_shift, stats=stats)
+            else:
+                out = mxfp4_quantize(x, "nearest", capture=capture)
+            packed, scales = out[:2]
+            deq = mxfp4_dequantize(packed, scales, dtype=x.dtype)
+            return deq, ((packed, scales, None, out[2]) if capture else None)
+    raise ValueError(f"unknown FP4 format '{fmt}'; use nvfp4, mxfp4 or bf16")
+
+
+def straight_through(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Forward value q, gradient identity to x."""
+    return x + (q - x).detach()
+
+
+class _FP4LinearMixin:
+    """Shared QAT logic; `quant` is a class attribute set by `fp4_linear_class`."""
+
+    quant: QuantSettings = OFF
+    # set per instance by megatron_qrl.models.sites.assign_sites
+    site: QuantSite
+
+    def _init_site(self, input_size: int) -> None:
+        self.site = QuantSite(k_total=input_size)
+
+    # whether this linear's input is sharded over its TP group (so its amax needs a reduction)
+    def _input_sharded(self) -> bool:
+        raise NotImplementedError
+
+    def _tp(self):
+        group = getattr(self, "tp_group", None)
+        return group if group is not None and group.size() > 1 else None
+
+    def _quant_input(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
+        site = self.site
+        guide = site.guide_provider(site, x) if site.guide_provider is not None else None
+        deq, rec = quantize_dequantize(
+            x, q.format, group=self._tp() if self._input_sharded() else None, guide=guide,
+            capture=site.capture_sink is not None, fallback_shift=q.fallback_shift, stats=site.stats)
+        if rec is not None:
+            site.capture_sink.append(CaptureRecord(site.name, *rec))
+        return straight_through(x, deq)
+
+    def _quant_weight(self, w: torch.Tensor) -> torch.Tensor:
+        deq, _ = quantize_dequantize(w, self.quant.format, group=self._tp())
+        return straight_through(w, deq)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        q = self.quant
+        if q.enabled and torch.is_tensor(input) and input.numel() > 0:
+            if q.activations:
+                input = self._quant_input(input)
+            if q.weights:
+                weight = self._quant_weight(weight)
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class FP4ColumnParallelLinear(_FP4LinearMixin, ColumnParallelLinear):
+    """ColumnParallelLinear with QAT fake quantization (input: replicated or sequence-sharded)."""
+
+    def __init__(self, input_size, output_size, *args, **kwargs):
+        super().__init__(input_size, output_size, *args, **kwargs)
+        self._init_site(input_size)
+
+    def _input_sharded(self) -> bool:
+        return bool(self.sequence_parallel) and not self.explicit_expert_comm
+
+
+class FP4RowParallelLinear(_FP4LinearMixin, RowParallelLinear):
+    """RowParallelLinear with QAT fake quantization (input: K-sharded over TP)."""
+
+    def __init__(self, input_size, output_size, *args, **kwargs):
+        super().__init__(input_size, output_size, *args, **kwargs)
+        self._init_site(input_size)
+        tp = self.tp_group.size() if self.tp_group is not None else 1
+        rank = self.tp_group.rank() if self.tp_group is not None else 0
+        self.site.k_offset = rank * (input_size // tp)
+
+    def _input_sharded(self) -> bool:
+        return True
+
+
+def fp4_linear_class(base: type, settings: QuantSettings) -> type:
+    """A subclass of FP4ColumnParallelLinear/FP4RowParallelLinear bound to `settings` (a spec entry)."""
+    if base not in (FP4ColumnParallelLinear, FP4RowParallelLinear):
+        raise TypeError(f"fp4_linear_class expects an FP4 linear base, got {base.__name__}")
+    tag = "Off" if not settings.enabled else f"{settings.format}_w{4 if settings.weights else 16}" \
+        f"a{4 if settings.activations else 16}"
+    return type(f"{base.__name__}_{tag}", (base,), {"quant": settings, "__module__": __name__})
+
+
+def fp4_linears(model: torch.nn.Module) -> Iterator[_FP4LinearMixin]:
+    for m in model.modules():
+        if isinstance(m, _FP4LinearMixin):
+            yield m
+
+
+def set_guide_provider(model, provider: Optional[Callable[[QuantSite, torch.Tensor],
+                                                            Optional[GuidedRounding]]]) -> None:
+    """Give every activation site of `model` (a module or list of chunks) a TRACE guide provider.
+
+    provider(site, x) returns the rollout's GuidedRounding for this site and the current micro-batch, or
+    None for nearest rounding. None clears it. The trainer sets it per micro-batch from the batch.
+    """
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        for lin in fp4_linears(chunk):
+            lin.site.guide_provider = provider
+
+
+@contextlib.contextmanager
+def capture_activations(model, sites: Optional[set] = None):
+    """Collect a CaptureRecord per quantized activation per forward call inside the block.
+
+    Yields the list that fills up; `sites` restricts capture to those site names.
+    """
+    records: list = []
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    touched = []
+    for chunk in chunks:
+        for lin in fp4_linears(chunk):
+            if lin.quant.enabled and lin.quant.activations and (sites is None or lin.site.name in sites):
+                lin.site.capture_sink = records
+                touched.append(lin)
+    try:
+        yield records
+    finally:
+        for lin in touched:
+            lin.site.capture_sink = None
+
+
+def guided_fallback_stats(model) -> dict:
+    """Sum of TRACE fallback counters over all sites (then reset): {'guided_fallback', 'guided_elements'}."""
+    total = {"guided_fallback": 0, "guided_elements": 0}
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        for lin in fp4_linears(chunk):
+            for k in total:
+                total[k] += lin.site.stats.pop(k, 0)
+    return total
