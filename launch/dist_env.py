@@ -150,7 +150,13 @@ def _slurm_port(env: Mapping[str, str]) -> int:
 
 def from_slurm(env: Mapping[str, str],
                hostnames: Callable[[str], list[str]] = scontrol_hostnames) -> Optional[DistEnv]:
-    """An srun task: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; the master is the job's first node."""
+    """An srun task: SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID; the master is the job's first node.
+
+    Only job steps count: the batch script itself also has SLURM_PROCID=0 and SLURM_NTASKS (of the whole
+    allocation) but no SLURM_STEP_ID; read as a rank it would wait forever for peers that never start.
+    """
+    if not env.get("SLURM_STEP_ID") and not env.get("SLURM_STEP_NUM_TASKS"):
+        return None
     rank = _int(env, "SLURM_PROCID")
     world = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
     if rank is None or world is None:

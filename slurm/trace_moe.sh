@@ -52,7 +52,11 @@ elif [[ $QRL_DEVICE == cpu ]]; then
 else
     CONFIG=${QRL_CONFIG:-configs/qwen3_30b_a3b.yaml}
 fi
-[[ -f $CONFIG ]] || die "config '$CONFIG' not found in $REPO; available: $(echo configs/*.yaml)"
+if [[ ! -f $CONFIG ]]; then
+    shopt -s nullglob
+    available=(configs/*.yaml)
+    die "config '$CONFIG' not found in $REPO; available: ${available[*]:-none}"
+fi
 # Ours first, so the user's overrides (applied in order) win; run.resume=true makes a requeued job continue.
 OVERRIDES=(run.resume=true)
 [[ -n ${QRL_OUTPUT_DIR:-} ]] && OVERRIDES+=("run.output_dir=$QRL_OUTPUT_DIR")

@@ -27,7 +27,7 @@ def test_torchrun():
 
 
 def test_slurm_srun_task_uses_first_node_as_master():
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NODELIST": "gpu[07-08,10]", "SLURM_TASKS_PER_NODE": "2(x2)"}
     dist = _discover(env)
     assert (dist.rank, dist.world_size, dist.local_rank, dist.launcher) == (3, 4, 1, "slurm")
@@ -41,6 +41,12 @@ def test_slurm_srun_task_uses_first_node_as_master():
 def test_slurm_step_counts_win_over_job_counts():
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODELIST": "a"}
     assert _discover(env).world_size == 2
+
+
+def test_slurm_batch_script_is_a_single_process():
+    # `sbatch -n 4 --wrap "python train.py"`: the batch step has PROCID/NTASKS but is not an srun task
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert _discover(env).launcher == "single"
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -79,7 +85,7 @@ def test_bad_values_fail_clearly():
     with pytest.raises(DistEnvError, match="RANK='x' is not an integer"):
         _discover({"RANK": "x", "WORLD_SIZE": "2"})
     with pytest.raises(DistEnvError, match="rank 4 is outside world size 4"):
-        _discover({"SLURM_PROCID": "4", "SLURM_NTASKS": "4"})
+        _discover({"SLURM_PROCID": "4", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"})
 
 
 def test_export_sets_torch_variables():

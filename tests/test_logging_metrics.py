@@ -110,3 +110,11 @@ def test_wandb_offline_run_is_continued_on_resume(tmp_path, monkeypatch):
     cfg.run.resume = False
     with MetricsLogger(tmp_path, cfg, env={}) as logger:
         assert logger._wandb.run.id != first_id
+
+
+def test_missing_wandb_package_only_warns(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import wandb -> ImportError
+    with MetricsLogger(tmp_path, QRLConfig(), env={"WANDB_MODE": "offline"}) as logger:
+        logger.log({"reward/mean": 1.0}, step=0)
+    assert "wandb is not installed" in caplog.text
+    assert _lines(tmp_path / "metrics.jsonl")[0]["reward/mean"] == 1.0
