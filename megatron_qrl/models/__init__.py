@@ -1,19 +1,28 @@
 """The policy model: Megatron-Core GPTModel (Qwen3-MoE style) with FP4 QAT linears, AQN norms, R3 router.
 
-Importing this package imports Megatron-Core; keep it out of code paths that must stay light.
+Names are imported lazily (PEP 562) so that `megatron_qrl.models.sizes` and config tooling do not pull
+in Megatron-Core; touching any other name imports it.
 """
-from .aqn_norm import RMSNorm, aqn_norms, clear_aqn_noise, set_aqn_noise
-from .fp4_linear import (CaptureRecord, FP4ColumnParallelLinear, FP4RowParallelLinear, QuantSettings, QuantSite,
-                         capture_activations, fp4_linears, guided_fallback_stats, quantize_dequantize,
-                         set_guide_provider, site_name)
-from .provider import build_model, count_parameters, sequence_parallel_enabled, transformer_config
-from .r3_router import R3TopKRouter, clear_replay, pop_router_agreement, r3_routers
-from .spec import qwen3_moe_layer_spec
+from importlib import import_module
 
-__all__ = [
-    "CaptureRecord", "FP4ColumnParallelLinear", "FP4RowParallelLinear", "QuantSettings", "QuantSite", "R3TopKRouter",
-    "RMSNorm", "aqn_norms", "build_model", "capture_activations", "clear_aqn_noise", "clear_replay",
-    "count_parameters", "fp4_linears", "guided_fallback_stats", "pop_router_agreement", "quantize_dequantize",
-    "qwen3_moe_layer_spec", "r3_routers", "sequence_parallel_enabled", "set_aqn_noise", "set_guide_provider",
-    "site_name", "transformer_config",
-]
+_EXPORTS = {
+    "RMSNorm": "aqn_norm", "aqn_norms": "aqn_norm", "clear_aqn_noise": "aqn_norm", "set_aqn_noise": "aqn_norm",
+    "CaptureRecord": "fp4_linear", "FP4ColumnParallelLinear": "fp4_linear", "FP4RowParallelLinear": "fp4_linear",
+    "QuantSettings": "fp4_linear", "QuantSite": "fp4_linear", "capture_activations": "fp4_linear",
+    "fp4_linears": "fp4_linear", "guided_fallback_stats": "fp4_linear", "quantize_dequantize": "fp4_linear",
+    "set_guide_provider": "fp4_linear", "site_name": "fp4_linear",
+    "QATSequentialMLP": "experts",
+    "build_model": "provider", "sequence_parallel_enabled": "provider", "transformer_config": "provider",
+    "R3TopKRouter": "r3_router", "clear_replay": "r3_router", "pop_router_agreement": "r3_router",
+    "r3_routers": "r3_router",
+    "qwen3_moe_layer_spec": "spec",
+    "count_parameters": "sizes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

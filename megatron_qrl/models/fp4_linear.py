@@ -14,12 +14,14 @@ validates it); what couples shards is the per-tensor FP32 global scale (NVFP4), 
 - input of a row-parallel linear: K-sharded over TP -> amax all-reduced over the TP group;
 - input of a column-parallel linear with sequence parallelism: token-sharded -> amax all-reduced over
   the TP group; without sequence parallelism the input is replicated and no reduction is needed;
-- input of a routed expert: the tokens dispatched to that expert (the token dispatcher already gathers
-  them over EP and expert-TP); its amax is local. Because the activation global scale is dynamic (per
-  tensor per forward), it depends on which tokens share the tensor: identical under TP/SP/PP, but
-  data-parallel sharding changes which tokens meet at an expert, so W4A4 expert activations differ
-  slightly between layouts with different data-parallel micro-batch composition. TRACE guides carry
-  the rollout's scales and remove this dependence for guided sites.
+- input of a routed expert: the tokens of this data-parallel micro-batch routed to that expert. The
+  token dispatcher gathers them over EP and expert-TP; when sequence parallelism leaves part of them
+  on TP peers that hold a replica of the same expert (TP > EP*ETP), megatron_qrl.models.experts
+  reduces the per-expert amax over the TP group. Because the activation global scale is dynamic (per
+  tensor per forward), it depends on which tokens share the tensor: identical under TP/SP/PP/EP with
+  one data-parallel replica, but when EP spans data-parallel replicas, tokens of several replicas'
+  micro-batches meet at an expert, so W4A4 expert activations then differ slightly from a single
+  process. TRACE guides carry the rollout's scales and remove this dependence for guided sites.
 
 Activation sites have stable names (see `site_name`): "L{layer}.{role}" or "L{layer}.{role}.E{expert}",
 with the global 0-based layer index and global expert index. A guide provider
@@ -84,6 +86,8 @@ class QuantSite:
     guide_provider: Optional[Callable[["QuantSite", torch.Tensor], Optional[GuidedRounding]]] = None
     capture_sink: Optional[list] = None
     stats: dict = field(default_factory=dict)
+    # set for one call by the expert MLP: the input amax of this expert over the TP group (see experts.py)
+    amax_floor: Optional[torch.Tensor] = None
 
 
 def site_name(layer: int, role: str, expert: Optional[int] = None) -> str:
@@ -91,8 +95,10 @@ def site_name(layer: int, role: str, expert: Optional[int] = None) -> str:
     return f"L{layer}.{role}" + (f".E{expert}" if expert is not None else "")
 
 
-def _global_amax(x: torch.Tensor, group) -> torch.Tensor:
+def _global_amax(x: torch.Tensor, group, floor: Optional[torch.Tensor] = None) -> torch.Tensor:
     amax = x.detach().abs().amax().float()
+    if floor is not None:
+        amax = torch.maximum(amax, floor.float())
     if group is not None and dist.is_initialized() and group.size() > 1:
         amax = amax.clone()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
@@ -101,8 +107,8 @@ def _global_amax(x: torch.Tensor, group) -> torch.Tensor:
 
 def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[GuidedRounding] = None,
                         capture: bool = False, fallback_shift: float = 0.25,
-                        stats: Optional[dict] = None):
-    """dequant(quant(x)) without gradient, with the global amax reduced over `group`.
+                        stats: Optional[dict] = None, amax_floor: Optional[torch.Tensor] = None):
+    """dequant(quant(x)) without gradient, with the global amax max(amax(x), amax_floor) reduced over `group`.
 
     Returns (dequantized x in x.dtype, CaptureRecord fields or None). The codec does the rounding, so the
     bytes are exactly those the engine and the exporter compute.
@@ -114,7 +120,7 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
                                      trace_bits=guide.bits, capture=capture, fallback_shift=fallback_shift,
                                      stats=stats)
             else:
-                gs = nvfp4_global_scale(_global_amax(x, group))
+                gs = nvfp4_global_scale(_global_amax(x, group, amax_floor))
                 out = nvfp4_quantize(x, gs, "nearest", capture=capture)
             packed, scales, gs = out[:3]
             deq = nvfp4_dequantize(packed, scales, gs, dtype=x.dtype)
@@ -160,7 +166,8 @@ class _FP4LinearMixin:
         guide = site.guide_provider(site, x) if site.guide_provider is not None else None
         deq, rec = quantize_dequantize(
             x, q.format, group=self._tp() if self._input_sharded() else None, guide=guide,
-            capture=site.capture_sink is not None, fallback_shift=q.fallback_shift, stats=site.stats)
+            capture=site.capture_sink is not None, fallback_shift=q.fallback_shift, stats=site.stats,
+            amax_floor=site.amax_floor)
         if rec is not None:
             site.capture_sink.append(CaptureRecord(site.name, *rec))
         return straight_through(x, deq)

@@ -162,22 +162,3 @@ def build_model(cfg, config: Optional[TransformerConfig] = None) -> list:
     chunks = [model]
     assign_sites(chunks, cfg)
     return chunks
-
-
-def count_parameters(cfg) -> dict:
-    """Analytic parameter counts of the full (unsharded) model: total and active per token."""
-    m = cfg.model
-    h, d = m.hidden_size, m.head_dim
-    attn = h * d * (m.num_attention_heads + 2 * m.num_query_groups) + m.num_attention_heads * d * h
-    attn += (2 * d if m.qk_layernorm else 0) + 2 * h
-    if m.num_experts:
-        expert = 3 * h * m.moe_ffn_hidden_size
-        shared = 3 * h * m.moe_shared_expert_ffn_hidden_size
-        router = m.num_experts * h
-        mlp_total = m.num_experts * expert + shared + router
-        mlp_active = m.moe_router_topk * expert + shared + router
-    else:
-        mlp_total = mlp_active = 3 * h * m.ffn_hidden_size
-    emb = m.vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1) + h
-    return {"total": m.num_layers * (attn + mlp_total) + emb,
-            "active": m.num_layers * (attn + mlp_active) + emb}

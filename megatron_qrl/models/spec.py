@@ -26,7 +26,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP
+from .experts import QATSequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -93,7 +93,7 @@ def qwen3_moe_layer_spec(cfg, use_te: bool | None = None) -> ModuleSpec:
         shared = (partial(SharedExpertMLP, submodules=dense_mlp)
                   if cfg.model.moe_shared_expert_ffn_hidden_size else None)
         mlp = partial(MoELayer, submodules=MoESubmodules(
-            experts=partial(SequentialMLP, submodules=experts), shared_experts=shared, router=R3TopKRouter))
+            experts=partial(QATSequentialMLP, submodules=experts), shared_experts=shared, router=R3TopKRouter))
     else:
         mlp = partial(MLP.as_mlp_submodule, submodules=dense_mlp)
 

@@ -73,14 +73,72 @@ def _set_rng_state(state: dict) -> None:
 def _model_sharded_state_dict(trainer) -> dict:
     if len(trainer.model) != 1:
         raise CheckpointError("virtual pipeline chunks are not supported by this checkpoint format")
-    return trainer.model[0].module.sharded_state_dict()
+    return trainer.model[0].module.sharded_state_dict()  # DDP -> (Float16Module ->) GPTModel
+
+
+# Keys of the optimizer state follow the model's sharded keys only (no "chained_<i>." prefix): how
+# Megatron splits parameters into chained optimizers (dense vs expert) depends on the layout, so prefixed
+# keys would not load under another layout. The distributed optimizer (GPU) saves fully reshardable.
+OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _drop_common_steps(tree) -> None:
+    """Remove Megatron's per-optimizer 'common_step' (its place depends on the chaining); we keep one step."""
+    if isinstance(tree, dict):
+        state = tree.get("state")
+        if isinstance(state, dict):
+            state.pop("common_step", None)
+        for v in tree.values():
+            _drop_common_steps(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            _drop_common_steps(v)
+
+
+def _torch_optimizers(optimizer) -> list:
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in subs if getattr(o, "optimizer", None) is not None]
+
+
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _adam_step(optimizer) -> int:
+    steps = [int(st["step"]) for opt in _torch_optimizers(optimizer) for st in opt.state.values() if "step" in st]
+    return max(steps, default=0)
+
+
+def _with_current_param_groups(optimizer, loaded, step: int):
+    """The loaded optimizer state with this optimizer's own param groups.
+
+    Parameter-group hyperparameters (lr, wd, ...) live in the checkpoint's common part, whose nesting
+    follows the *saving* layout's chaining (dense/expert optimizers); under another layout they do not
+    line up. They are fully determined by the config and the LR scheduler (restored separately), so we
+    take them from the current optimizer and keep only the loaded per-parameter state tensors, plus
+    the Adam step (saved once as `optimizer_step`: every parameter steps on every update).
+    """
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(subs) == 1:
+        parts = [loaded]
+    else:
+        parts = [loaded[i] for i in range(len(subs))]
+    for sub, part in zip(subs, parts):
+        part["param_groups"] = sub.optimizer.state_dict()["param_groups"]
+        part["state"] = {k: {**v, "step": torch.tensor(float(step))}
+                         for k, v in part["state"].items() if isinstance(k, int)}
+    return parts[0] if len(subs) == 1 else {i: p for i, p in enumerate(parts)}
 
 
 def _sharded_state(trainer, is_loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
     model_sd = _model_sharded_state_dict(trainer)
     state = {"model": model_sd}
     if with_optimizer:
-        state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        osd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+        _drop_common_steps(osd)
+        state["optimizer"] = osd
     if with_rng:
         world, rank = dist.get_world_size(), dist.get_rank()
         state["rng_state"] = ShardedObject("rng_state", None if is_loading else _rng_state(), (world,), (rank,),
@@ -134,6 +192,7 @@ def save(trainer, path: str | Path, extra_state: dict) -> str:
     state = _sharded_state(trainer, is_loading=False, with_optimizer=True, with_rng=True)
     state["scheduler"] = trainer.scheduler.state_dict()
     state["step"] = trainer.step
+    state["optimizer_step"] = _adam_step(trainer.optimizer)
     state["extra_state"] = extra_state
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
@@ -172,7 +231,11 @@ def load(trainer, path: str | Path, load_optimizer: bool = True) -> dict:
     loaded = dist_checkpointing.load(state, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"], strict=True)
     if load_optimizer:
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
+        if _is_distributed(trainer.optimizer):  # Megatron's fully reshardable format restores itself
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            step = int(loaded.get("optimizer_step", loaded.get("step", 0)))
+            trainer.optimizer.load_state_dict(_with_current_param_groups(trainer.optimizer, loaded["optimizer"], step))
         trainer.scheduler.load_state_dict(loaded["scheduler"])
     if same_layout and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])

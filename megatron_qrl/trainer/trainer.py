@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from megatron_qrl.models import (build_model, clear_replay, guided_fallback_stats, pop_router_agreement,
                                  r3_routers, sequence_parallel_enabled, set_guide_provider, transformer_config)
@@ -53,12 +54,18 @@ class Trainer:
     """Megatron-Core policy trainer; see the module docstring for the API contract."""
 
     def __init__(self, cfg, layout: Optional[Layout] = None):
+        if cfg.trainer.bf16 and not torch.cuda.is_available():
+            raise ValueError("trainer.bf16=true needs CUDA: Megatron's mixed-precision optimizer accepts only "
+                             "torch.cuda tensors; set trainer.bf16=false on CPU (fp32)")
         self.cfg = cfg
         self.layout = init_distributed(cfg, layout)
         self.device = device()
         self.config = transformer_config(cfg)
         self.sequence_parallel = sequence_parallel_enabled(cfg)
         chunks = build_model(cfg, self.config)
+        self.unwrapped = chunks  # the GPTModel chunks (for hooks, inspection and the rollout engine)
+        if cfg.trainer.bf16:  # Megatron's mixed precision: bf16 params/activations, fp32 logits and master
+            chunks = [Float16Module(self.config, c) for c in chunks]
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=use_distributed_optimizer(cfg), check_for_nan_in_grad=False)
