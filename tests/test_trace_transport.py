@@ -1,0 +1,106 @@
+"""TRACE transport: shard specs (DP/EP/TP/PP) locally, and two gloo ranks through torchrun."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_qrl.trace import (EntryKey, ShardSpec, TraceCache, TraceMetrics, dp_samples, local_shard,
+                                megatron_ep_group, select)
+from megatron_qrl.trace.synthetic import make_rollout
+
+SCRIPT = Path(__file__).parent / "dist" / "trace_transport.py"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ro():
+    return make_rollout(num_samples=6, seq_len=10, prompt_len=4, layers=(0, 1, 2, 3),
+                        routed_sites={"fc1": 32, "fc2": 64}, dense_sites={"proj": 32}, num_experts=4, topk=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def cache(ro):
+    return ro.build()
+
+
+def test_data_parallel_split_matches_the_trainer():
+    # trainer.batch.shard_batch: B padded to dp*mbs multiples, rank r takes the contiguous slice r
+    assert [list(dp_samples(10, r, 4, 2)) for r in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], []]
+    assert [list(dp_samples(6, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_megatron_expert_group_order():
+    # TP=1: the EP group is ep consecutive DP ranks
+    assert megatron_ep_group(dp_rank=3, tp_rank=0, tp_size=1, ep_size=2) == (1, [2, 3])
+    # TP=2, ETP=1, EP=4 on 8 ranks (dp=4): ranks 0-3 form one EP group -> DP ranks 0 and 1
+    assert megatron_ep_group(dp_rank=1, tp_rank=1, tp_size=2, ep_size=4) == (3, [0, 1])
+    # TP=2, ETP=2, EP=2 (dp=2): EP group = ranks {0, 2} -> DP ranks 0 and 1
+    assert megatron_ep_group(dp_rank=1, tp_rank=0, tp_size=2, ep_size=2, etp_size=2) == (1, [0, 1])
+
+
+def test_shard_specs_partition_the_cache(cache):
+    specs = [ShardSpec.for_rank(6, dp_rank=r, dp_size=2, num_experts=4, ep_size=2, layers=(0, 2) if r else (2, 4))
+             for r in range(2)]
+    assert specs[0].experts == (0, 1) and specs[1].experts == (2, 3) and specs[0].expert_samples == tuple(range(6))
+    parts = [select(cache, s) for s in specs]
+    assert {k.layer for k in parts[0].keys()} == {2, 3} and {k.layer for k in parts[1].keys()} == {0, 1}
+    assert {k.expert for k in parts[0].keys() if k.routed} == {0, 1}
+    assert set(parts[0].tokens()[0][parts[0].rowset_tokens(parts[0].entry(EntryKey(2, "proj")).rowset)].tolist()) \
+        == {0, 1, 2}
+    assert ShardSpec.from_json(specs[0].to_json()) == specs[0]
+    # the four (dp, pp) quarters of a 2x2 layout cover the full cache exactly once
+    quarters = [select(cache, ShardSpec(samples=s, expert_samples=s, layers=l))
+                for s in ((0, 1, 2), (3, 4, 5)) for l in ((0, 2), (2, 4))]
+    assert TraceCache.merge(quarters).same_content(cache)
+
+
+def test_tensor_parallel_slices_only_row_parallel_sites(cache):
+    spec = ShardSpec(tp_rank=1, tp_size=2, etp_rank=1, etp_size=2)
+    part = select(cache, spec)
+    for key in cache.keys():
+        e = part.entry(key)
+        if key.site in ("fc2", "proj"):
+            K = e.k_full
+            assert (e.k_start, e.k_width) == (K // 2, K // 2)
+            full = cache.entry(key)
+            assert torch.equal(e.bits, full.bits[:, K // 16:]) and torch.equal(e.scales, full.scales[:, K // 32:])
+        else:
+            assert (e.k_start, e.k_width) == (0, e.k_full)
+
+
+def test_colocated_mode_slices_locally(cache):
+    metrics = TraceMetrics()
+    spec = ShardSpec(samples=[1, 2], expert_samples=[1, 2])
+    part = local_shard(cache, spec, metrics)
+    assert part.same_content(select(cache, spec)) and set(part.tokens()[0].tolist()) == {1, 2}
+    assert metrics.as_dict()["trace/cache_bytes"] == part.nbytes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_disaggregated_ep_and_tp():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), str(SCRIPT)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in (0, 1):
+        for case in ("case_disaggregated", "case_expert_parallel", "case_tensor_parallel"):
+            assert f"rank {rank}: {case} ok" in out
+        assert f"TRACE DIST OK rank {rank}" in out
