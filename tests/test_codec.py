@@ -117,3 +117,20 @@ def test_guided_requires_its_inputs():
         nvfp4_quantize(x, rounding="up")
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         mxfp4_quantize(torch.randn(2, 48))
+
+
+def test_guided_replay_with_one_global_scale_per_row():
+    """A trainer tensor mixes rows of several engine calls (prefill, decode steps): one scale per row."""
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(9))
+    parts = [nvfp4_quantize(x[i:i + 1] * (i + 1), capture=True) for i in range(6)]
+    packed = torch.cat([p[0] for p in parts])
+    scales = torch.cat([p[1] for p in parts])
+    gscales = torch.stack([p[2] for p in parts]).reshape(6, 1)
+    bits = torch.cat([p[3] for p in parts])
+    rows = torch.cat([x[i:i + 1] * (i + 1) for i in range(6)])
+    replay, _, _ = nvfp4_quantize(rows, gscales, "guided", scales=scales, trace_bits=bits)
+    assert torch.equal(replay, packed)
+    expected = torch.cat([nvfp4_dequantize(*p[:3], dtype=torch.float32) for p in parts])
+    assert torch.equal(nvfp4_dequantize(packed, scales, gscales, torch.float32), expected)
+    with pytest.raises(ValueError, match="one per row"):
+        nvfp4_quantize(rows, torch.ones(3, 1), "guided", scales=scales, trace_bits=bits)

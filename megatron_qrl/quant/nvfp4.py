@@ -44,6 +44,16 @@ def nvfp4_scaled(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tens
     return (blocks / denom.unsqueeze(-1)).reshape(x.shape)
 
 
+def _as_global_scale(global_scale, x: torch.Tensor) -> torch.Tensor:
+    """fp32 0-dim, or one scale per row ([..., 1]) for guided replays of rows from several engine calls."""
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    if gs.numel() == 1:
+        return gs.reshape(())
+    if tuple(gs.shape) == (*x.shape[:-1], 1):
+        return gs
+    raise ValueError(f"global_scale must be a scalar or one per row {(*x.shape[:-1], 1)}, got {tuple(gs.shape)}")
+
+
 def nvfp4_quantize(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
@@ -72,7 +82,7 @@ def nvfp4_quantize(
         if rounding == "guided":
             raise ValueError("rounding='guided' needs the rollout's global_scale (and scales, trace_bits)")
         global_scale = nvfp4_global_scale(x)
-    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
+    global_scale = _as_global_scale(global_scale, x)
     if scales is None:
         if rounding == "guided":
             raise ValueError("rounding='guided' needs the rollout's block scales: pass scales=")
@@ -111,8 +121,8 @@ def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     """codes * f32(s_block) * s_global, computed in float32 then cast to dtype."""
     check_packed(packed, scales, BLOCK, "nvfp4_dequantize")
     values = e2m1.code_values(packed.device)[e2m1.unpack_nibbles(packed).long()]
-    per_block = scales.to(torch.float32) * torch.as_tensor(global_scale, dtype=torch.float32,
-                                                           device=packed.device)
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
+    per_block = scales.to(torch.float32) * (gs.reshape(()) if gs.numel() == 1 else gs)
     out = values.reshape(*values.shape[:-1], -1, BLOCK) * per_block.unsqueeze(-1)
     return out.reshape(values.shape).to(dtype)
 

@@ -1,0 +1,73 @@
+"""`qrl train --config C [overrides]` and `torchrun ... -m megatron_qrl.launch.train --config C`: the RL job.
+
+The whole cycle is `train()` below: sync -> generate -> rewards/advantages -> TRACE + R3 to the trainer
+-> log-probs -> IS weights -> GRPO updates -> metrics -> eval / checkpoint. Everything else lives in
+small modules (megatron_qrl.pipeline, .trainer, .rollout, .rl, .trace).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from megatron_qrl.config import load_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-4 run.total_steps=10")
+
+
+def run(args: argparse.Namespace) -> int:
+    train(load_config(args.config, args.overrides))
+    return 0
+
+
+def train(cfg) -> dict:
+    """Run (or resume) an RL job; returns the last step's metrics."""
+    from megatron_qrl.launch.dist_env import discover
+    from megatron_qrl.logging import MetricsLogger, progress_bar
+    from megatron_qrl.pipeline import (RunSetup, build_batch, evaluate, generate_shard, grpo_loss,
+                                       resume_or_warm_start, save_checkpoint, sync_weights, trainer_batch)
+    from megatron_qrl.rl import is_weights
+
+    env = discover()
+    env.export()
+    cfg.check_world_size(env.world_size)
+    s = RunSetup.build(cfg)                       # trainer, engine, tokenizer, data, reward, TRACE bridge
+    start = resume_or_warm_start(s)
+    last: dict = {}
+    with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log:
+        for step in progress_bar(range(start, cfg.run.total_steps), total=cfg.run.total_steps, initial=start,
+                                 desc="RL", rank=env.rank, unit="step"):
+            m = sync_weights(s.engine_ready(), s.trainer, cfg, step, version=step)            # FP4 bytes + AQN
+            t0 = time.perf_counter()
+            samples, rollouts = generate_shard(s, next(s.prompts), step)                   # all DP ranks
+            m["rollout/s"] = time.perf_counter() - t0
+            batch = build_batch(samples, rollouts, s.tokenizer, cfg.rollout.group_size,
+                                cfg.rl.normalize_std, s.reward_fn, cfg.data.reward_time_limit_s)
+            guides, trace_m = s.trace.prepare(batch, step=step, version=step)             # TRACE cache
+            s.engine_idle()                                                                # colocated
+            logp_old = s.trainer.logprobs(trainer_batch(batch, guides))
+            trace_m = {**s.trace.after_logprobs(), **trace_m}                             # code mismatch
+            weights, is_m = is_weights(logp_old, batch.logp_rollout, batch.advantages, batch.loss_mask,
+                                       cfg.rl.is_method, cfg.rl)
+            for _ in range(cfg.rl.updates_per_batch):
+                train_m = s.trainer.train_step(trainer_batch(batch, guides, logp_old, weights), grpo_loss(cfg.rl))
+            m.update(s.step_metrics(batch, rollouts, m["rollout/s"]), **is_m, **trace_m,
+                     **{s.train_key(k): v for k, v in train_m.items()})
+            if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
+                m.update(evaluate(s.engine_ready(), s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens,
+                                  s.reward_fn, cfg.data.reward_time_limit_s))
+            if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+                save_checkpoint(s, step + 1)
+            log.log(m, step=step)
+            last = m
+    if cfg.run.checkpoint_every and cfg.run.total_steps % cfg.run.checkpoint_every:
+        save_checkpoint(s, cfg.run.total_steps)
+    return last
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m megatron_qrl.launch.train")
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,149 @@
+"""Everything one RL run holds, built once: trainer, engine, tokenizer, data, reward, TRACE bridge.
+
+Also the small per-step helpers the loop in launch/train.py calls (sharded generation across
+data-parallel ranks, the trainer batch, resume / SFT warm start, checkpoints, step metrics).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_qrl.data import CharTokenizer, PromptBatches, build_datasets, task_reward
+from megatron_qrl.rollout.protocol import SamplingParams
+
+from .losses import sft_loss
+from .rollout_batch import RolloutBatch, encode_prompts, sft_batch
+from .run_state import latest_checkpoint, mark_latest, step_path
+from .trace_bridge import TraceBridge
+from .weight_sync import check_colocated_layout
+
+# trainer stat names -> the metric names of docs/metrics.md
+_TRAIN_KEYS = {"grad_norm": "train/grad_norm", "lr": "train/lr", "time/train_step_s": "train/step_s"}
+
+
+@dataclass
+class RunSetup:
+    cfg: Any
+    trainer: Any
+    engine: Any
+    tokenizer: CharTokenizer
+    train_set: Any
+    eval_set: list
+    prompts: PromptBatches
+    reward_fn: Any
+    trace: TraceBridge
+    dp_rank: int = 0
+    dp_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg) -> "RunSetup":
+        from megatron_qrl.rollout.embedded import EmbeddedEngine
+        from megatron_qrl.trainer import Trainer
+
+        check_colocated_layout(cfg)
+        tokenizer = CharTokenizer()
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+                             f"{tokenizer.vocab_size} ids; set model.vocab_size >= {tokenizer.vocab_size}")
+        train_set, eval_set = build_datasets(cfg.data)
+        trainer = Trainer(cfg)
+        engine = EmbeddedEngine(cfg)
+        prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
+        reward_fn = cfg.data.reward or task_reward(cfg.data)
+        return cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
+                   trainer.dp_rank, trainer.dp_size)
+
+    # ------------------------------------------------------------------------------ engine memory
+    def engine_idle(self) -> None:
+        """Colocated placement: the engine gives its memory back while the trainer runs."""
+        if self.cfg.rollout.placement == "colocated":
+            self.engine.release_memory()
+
+    def engine_ready(self):
+        self.engine.resume_memory()
+        return self.engine
+
+    # --------------------------------------------------------------------------------- generation
+    def sampling(self, step: int) -> SamplingParams:
+        seed = (self.cfg.rollout.seed * 1_000_003 + step * 101 + self.dp_rank) % (2 ** 31)
+        return SamplingParams.from_config(self.cfg.rollout, stop_token_ids=(self.tokenizer.eos_id,), seed=seed)
+
+
+def generate_shard(s: RunSetup, prompts: list, step: int):
+    """Each data-parallel rank generates a contiguous share of the prompt groups; all ranks get all."""
+    G = s.cfg.rollout.group_size
+    per = -(-len(prompts) // s.dp_size)
+    mine = prompts[s.dp_rank * per:(s.dp_rank + 1) * per]
+    engine = s.engine_ready()
+    samples = [p for p in mine for _ in range(G)]
+    rollouts = engine.generate(encode_prompts(s.tokenizer, samples), s.sampling(step)) if samples else []
+    if s.dp_size > 1:
+        parts: list = [None] * s.dp_size  # data parallel only (check_colocated_layout): the DP group is WORLD
+        dist.all_gather_object(parts, (samples, rollouts))
+        samples = [x for p in parts for x in p[0]]
+        rollouts = [x for p in parts for x in p[1]]
+    return samples, rollouts
+
+
+def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Tensor] = None,
+                  weights: Optional[torch.Tensor] = None) -> dict:
+    """The trainer's batch dict (megatron_qrl.trainer.batch) for log-probs or a GRPO update."""
+    out = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "r3_expert_ids": batch.r3_expert_ids,
+           "trace_guides": guides}
+    if logp_old is not None:
+        out.update(logp_old=logp_old, advantages=batch.advantages, is_weights=weights)
+    return out
+
+
+# ------------------------------------------------------------------------------ resume / warm start
+def resume_or_warm_start(s: RunSetup) -> int:
+    """Resume from the latest checkpoint (returns its step), else run the SFT warm start (returns 0)."""
+    cfg = s.cfg
+    latest = latest_checkpoint(cfg.run.output_dir) if cfg.run.resume else None
+    if latest is not None:
+        extra = s.trainer.load(str(latest))
+        s.prompts.load_state_dict(extra["data"])
+        return int(extra["step"])
+    if cfg.run.sft_steps:
+        from megatron_qrl.logging import progress_bar
+
+        bs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        for i in progress_bar(range(cfg.run.sft_steps), desc="SFT warm start", rank=dist.get_rank(), unit="step"):
+            rows = [s.train_set[(i * bs + j) % len(s.train_set)] for j in range(bs)]
+            stats = s.trainer.train_step(sft_batch(rows, s.tokenizer), sft_loss)
+            s.extra["sft/loss"] = stats.get("sft/loss")
+    return 0
+
+
+def save_checkpoint(s: RunSetup, step: int) -> str:
+    path = step_path(s.cfg.run.output_dir, step)
+    if path.exists():
+        return str(path)
+    s.trainer.save(str(path), {"step": step, "data": s.prompts.state_dict()})
+    if dist.get_rank() == 0:
+        mark_latest(s.cfg.run.output_dir, path)
+    dist.barrier()
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------- metrics
+def step_metrics(s: RunSetup, batch: RolloutBatch, rollouts: list, rollout_s: float) -> dict:
+    lens = torch.tensor([len(r.tokens) for r in rollouts], dtype=torch.float32)
+    generated = float(lens.sum())
+    return {"reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std(unbiased=False)),
+            "response/len_mean": float(lens.mean()),
+            "response/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
+            "rollout/tokens_per_s": generated / max(rollout_s, 1e-9), "time/wall": time.time()}
+
+
+def train_key(name: str) -> str:
+    return _TRAIN_KEYS.get(name, name if "/" in name else f"train/{name}")
+
+
+RunSetup.step_metrics = step_metrics
+RunSetup.train_key = staticmethod(train_key)

@@ -1,0 +1,71 @@
+"""TRACE between the engine's captures and the trainer's guided QAT (METHODS.md section 3).
+
+prepare(): build the sealed cache from this step's rollouts, validate it (version, step, fingerprint,
+checksum, site widths; a rejected cache is counted in trace/rejected and the batch falls back to nearest
+rounding) and hand the trainer a `trace_guides(sample_ids) -> provider` hook. In the single-node colocated
+placement the cache stays local (no transport); the multi-rank transport is megatron_qrl.trace.exchange.
+While measuring is on (the log-prob pass), every guided site also records how many cached elements the
+trainer's own nearest rounding would have put on another codeword (trace/code_mismatch_before) and how many
+the guided rounding does (trace/code_mismatch_after).
+"""
+from __future__ import annotations
+
+import time
+
+
+class _MeasuringGuides:
+    """Wraps MicroBatchGuides: the same providers, plus mismatch accounting while `measuring`."""
+
+    def __init__(self, inner, metrics, fallback_shift: float):
+        self.inner, self.metrics, self.fallback_shift = inner, metrics, fallback_shift
+        self.measuring = True
+
+    def __call__(self, sample_ids):
+        provider = self.inner(sample_ids)
+
+        def guided(site, x):
+            guide = provider(site, x)
+            if guide is not None and self.measuring:
+                self.metrics.add_mismatch(x, guide, self.fallback_shift)
+            return guide
+
+        return guided
+
+
+class TraceBridge:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.enabled = bool(cfg.trace.enabled and cfg.cached_layers())
+        self._metrics = None
+        self._guides = None
+
+    def prepare(self, batch, step: int, version: int):
+        """(trace_guides hook or None, metrics) for this step's batch."""
+        if not self.enabled:
+            return None, {}
+        from megatron_qrl.trace import (MicroBatchGuides, TraceCacheBuilder, TraceMetrics, accept,
+                                        config_fingerprint, expected_site_widths)
+
+        t0 = time.perf_counter()
+        fingerprint = config_fingerprint(self.cfg)
+        builder = TraceCacheBuilder(version, step, fingerprint, layers=self.cfg.cached_layers())
+        for i, r in enumerate(batch.rollouts):
+            builder.add_sample(i, r.trace, routed_experts=r.routed_experts)
+        self._metrics = TraceMetrics()
+        cache = accept(builder.build(), version, step, self._metrics,
+                       expected_shapes=expected_site_widths(self.cfg), expected_fingerprint=fingerprint)
+        out = {"trace/build_s": time.perf_counter() - t0, "trace/transfer_s": 0.0,
+               "trace/cache_bytes": float(cache.nbytes) if cache is not None else 0.0,
+               "trace/bits_per_element": float(cache.bits_per_element()) if cache is not None else 0.0}
+        if cache is None:
+            self._guides = None
+            return None, out
+        inner = MicroBatchGuides(cache, batch.tokens.shape[1], batch.r3_expert_ids, metrics=self._metrics)
+        self._guides = _MeasuringGuides(inner, self._metrics, self.cfg.trace.fallback_shift)
+        return self._guides, out
+
+    def after_logprobs(self) -> dict:
+        """TRACE metrics of the log-prob pass; later (training) passes replay without measuring."""
+        if self._guides is not None:
+            self._guides.measuring = False
+        return self._metrics.as_dict() if self._metrics is not None else {}
