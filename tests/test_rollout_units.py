@@ -209,5 +209,12 @@ def test_scheduler_admits_as_sequences_finish():
 
 
 def test_rollout_sample_positions():
-    s = RolloutSample(prompt_ids=[1, 2, 3], tokens=[4, 5], logprobs=torch.zeros(2), finish_reason="length")
+    ids = torch.arange(4 * 2 * 2, dtype=torch.int16).reshape(4, 2, 2)
+    s = RolloutSample(prompt_ids=[1, 2, 3], tokens=[4, 5], logprobs=torch.zeros(2), finish_reason="length",
+                      routed_experts=ids)
     assert s.num_forwarded == 4 and s.sequence == [1, 2, 3, 4, 5]
+    padded = s.routed_experts_padded(7)
+    assert padded.shape == (7, 2, 2) and padded.dtype == torch.long
+    assert torch.equal(padded[:4], ids.long()) and torch.equal(padded[6], ids[3].long())
+    with pytest.raises(ValueError, match="shorter"):
+        s.routed_experts_padded(3)

@@ -171,6 +171,8 @@ def guided_requantize(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor,
     """
     from megatron_qrl.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize
 
+    if x.numel() == 0:  # an expert that got no tokens
+        return torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8, device=x.device), x.clone()
     if fmt == "mxfp4":
         packed, sc = mxfp4_quantize(x, "guided", scales=scales, trace_bits=bits, fallback_shift=fallback_shift,
                                     stats=stats)

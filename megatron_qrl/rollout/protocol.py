@@ -134,6 +134,19 @@ class RolloutSample:
     def sequence(self) -> list[int]:
         return list(self.prompt_ids) + list(self.tokens)
 
+    def routed_experts_padded(self, length: int) -> torch.Tensor:
+        """long [length, L, k] R3 ids for a trainer row of `length` >= P+T-1 tokens (batch['r3_expert_ids']).
+
+        Rows past the forwarded positions (the last generated token, right padding) repeat the last row:
+        valid expert ids, as the replaying router requires, at positions whose outputs never enter a loss.
+        """
+        if self.routed_experts is None:
+            raise ValueError("this sample has no routed experts (dense model or routing not recorded)")
+        ids = self.routed_experts.long()
+        if length < ids.shape[0]:
+            raise ValueError(f"length {length} is shorter than the {ids.shape[0]} forwarded positions")
+        return torch.cat([ids, ids[-1:].expand(length - ids.shape[0], *ids.shape[1:])], dim=0)
+
 
 WeightPayload = Union[torch.Tensor, "FP4Tensor"]  # FP4Tensor: megatron_qrl.rollout.weights
 

@@ -192,7 +192,11 @@ class WeightStore:
                 continue
             if name in self.quantized and isinstance(payload, torch.Tensor) and self.format in FP4_FORMATS:
                 payload = pack_weight(payload.to(param.device), self.format)
-            staged[name] = payload
+            # own copies: the sender may keep training the tensors it sent (in place) after the update
+            staged[name] = (payload.detach().to(param.device).clone() if isinstance(payload, torch.Tensor)
+                            else FP4Tensor(payload.format, *(None if p is None else p.detach().clone()
+                                                            for p in (payload.packed, payload.scales,
+                                                                      payload.global_scale))))
         extra = set(hashes) - set(weights)
         if extra:
             problems.append(f"digests for names that were not sent: {sorted(extra)[:3]}")
