@@ -89,10 +89,23 @@ def test_r3_replay_sets_routing_and_router_learns(units):
     assert units["r3/router_grad_norm"] > 0.0              # the router weight still gets gradient
 
 
+def test_trace_capture_replays_the_same_forward(units):
+    # every quantized activation of one micro-batch is captured under a stable name; replaying the
+    # captures as guides reproduces the forward bit for bit with no fallback; flipping the bits does not
+    assert units["trace/num_sites"] == units["trace/records"] > 0 and units["trace/has_expert_sites"]
+    assert units["trace/site_examples"][0] == "L0.fc1.E0" and units["trace/provider_calls"] == [[0, 1]]
+    assert units["trace/replay_diff"] == 0.0
+    assert units["trace/fallback"]["guided_fallback"] == 0 and units["trace/fallback"]["guided_elements"] > 0
+    assert units["trace/flipped_bits_diff"] > 1e-3
+    assert units["trace/bits_dtype"] == "torch.uint8" and units["trace/bits_per_element"] == 1.0
+
+
 @pytest.mark.parametrize("layout", ["TP2", "PP2", "EP2", "TP2xEP2"])
 def test_layout_matches_single_process(layouts, layout):
     r = layouts[layout]
     assert r["logp_natural"] < LOGP_ATOL and r["logp_replay"] < LOGP_ATOL, r
+    # one AQN draw from a fixed seed is the same noise on every layout (draws follow global layer order)
+    assert r["logp_aqn"] < LOGP_ATOL and r["aqn_changes_logp"] > 1e-3, r
     assert r["loss_rel"] < LOSS_RTOL, (r["losses"], r["ref_losses"])
     assert r["tokens_stat"] == pytest.approx(float(sum(common.make_batch()["loss_mask"].sum(1))))
     assert r["router_agreement"] == pytest.approx(r["ref_router_agreement"], abs=1e-9)

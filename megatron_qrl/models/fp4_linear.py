@@ -115,6 +115,13 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
     """
     with torch.no_grad():
         if fmt == "nvfp4":
+            gs = None if guide is None else guide.global_scale
+            if gs is not None and torch.is_tensor(gs) and gs.numel() > 1:
+                # rows the engine quantized in different calls carry their own global scale
+                # (megatron_qrl.trace.replay runs the codec's guided rounding per row); no capture here
+                from megatron_qrl.trace.replay import guided_quant_dequant
+
+                return guided_quant_dequant(x, guide, fallback_shift, stats), None
             if guide is not None:
                 out = nvfp4_quantize(x, guide.global_scale, "guided", scales=guide.scales,
                                      trace_bits=guide.bits, capture=capture, fallback_shift=fallback_shift,

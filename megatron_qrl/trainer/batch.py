@@ -23,7 +23,7 @@ into micro-batches. T is padded to a multiple of the tensor-parallel size under 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -140,5 +140,6 @@ def replay_ids_for_router(ids_bt: torch.Tensor, tp_rank: int, tp_size: int, sequ
     return sb.reshape(-1, sb.shape[-1]).contiguous()
 
 
-def iterate(micro_batches: list) -> Iterator[dict]:
-    return iter(micro_batches)
+def token_logprobs(nll: torch.Tensor) -> torch.Tensor:
+    """Megatron's per-position next-token NLL [b, s] -> token-aligned log-probs [b, s] (logp[:, 0] = 0)."""
+    return torch.cat([torch.zeros_like(nll[:, :1]), -nll[:, :-1]], dim=1)

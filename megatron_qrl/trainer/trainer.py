@@ -39,15 +39,10 @@ from megatron_qrl.models import (build_model, clear_replay, guided_fallback_stat
 from megatron_qrl.platform import Layout, device, init_distributed
 
 from . import checkpoint as ckpt
-from .batch import ShardedBatch, replay_ids_for_router, shard
+from .batch import ShardedBatch, replay_ids_for_router, shard, token_logprobs
 from .optim import build_optimizer, build_scheduler, use_distributed_optimizer
 
 LossFn = Callable[[torch.Tensor, dict], tuple]
-
-
-def token_logprobs(nll: torch.Tensor) -> torch.Tensor:
-    """Megatron's per-position next-token NLL [b, s] -> token-aligned log-probs [b, s] (logp[:, 0] = 0)."""
-    return torch.cat([torch.zeros_like(nll[:, :1]), -nll[:, :-1]], dim=1)
 
 
 class Trainer:

@@ -64,6 +64,19 @@ def loss_fn(logp, mb):
     return loss, {"tokens": mb["loss_mask"].sum()}
 
 
+def logprobs_with_aqn(trainer, batch, sigma: float = 0.05, seed: int = 5):
+    """Log-probs under one AQN draw from a fixed seed (the same Z on every layout), then noise-free again."""
+    import torch
+
+    from megatron_qrl.models import clear_aqn_noise, set_aqn_noise
+
+    set_aqn_noise(trainer.model, sigma, torch.Generator().manual_seed(seed), num_layers=NUM_LAYERS)
+    try:
+        return trainer.logprobs(batch)
+    finally:
+        clear_aqn_noise(trainer.model)
+
+
 def setup_threads() -> None:
     import torch
 

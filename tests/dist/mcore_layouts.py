@@ -73,7 +73,9 @@ def run_layout(name, layout, scheme, refdir: Path, outdir: Path) -> dict:
     natural = {k: v for k, v in batch.items() if k != "r3_expert_ids"}
     res = {"scheme": scheme, "dp": trainer.dp_size,
            "logp_natural": maxdiff(trainer.logprobs(natural), ref["logp_natural"]),
-           "logp_replay": maxdiff(trainer.logprobs(batch), ref["logp_replay"])}
+           "logp_replay": maxdiff(trainer.logprobs(batch), ref["logp_replay"]),
+           "logp_aqn": maxdiff(common.logprobs_with_aqn(trainer, batch), ref["logp_aqn"]),
+           "aqn_changes_logp": maxdiff(ref["logp_aqn"], ref["logp_replay"])}
     losses = []
     for step in range(3):
         stats = trainer.train_step(batch, common.loss_fn)

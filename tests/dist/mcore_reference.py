@@ -127,6 +127,37 @@ def _params(trainer) -> dict:
             if k.endswith("weight")}
 
 
+def trace_checks(trainer) -> dict:
+    """Capture a forward's FP4 activations, replay them as TRACE guides: the same forward comes out."""
+    import torch
+
+    from megatron_qrl.models import capture_activations, guided_fallback_stats
+    from megatron_qrl.quant import GuidedRounding
+
+    one = {k: v[:2] for k, v in common.make_batch().items() if k != "advantages"}  # one micro-batch
+    with capture_activations(trainer.model) as records:
+        lp0 = trainer.logprobs(one)
+    guides = {r.site: GuidedRounding(r.bits, r.scales, r.global_scale) for r in records}
+    calls = []
+
+    def trace_guides(sample_ids):
+        calls.append(sample_ids.tolist())
+        return lambda site, x: guides.get(site.name)
+
+    guided_fallback_stats(trainer.model)
+    lp1 = trainer.logprobs({**one, "trace_guides": trace_guides})
+    fallback = guided_fallback_stats(trainer.model)
+    flipped = {k: GuidedRounding(g.bits ^ 0xFF, g.scales, g.global_scale) for k, g in guides.items()}
+    lp2 = trainer.logprobs({**one, "trace_guides": lambda ids: (lambda site, x: flipped.get(site.name))})
+    names = sorted(guides)
+    return {"trace/num_sites": len(guides), "trace/records": len(records), "trace/site_examples": names[:3],
+            "trace/has_expert_sites": any(".fc1.E" in n for n in names), "trace/provider_calls": calls,
+            "trace/replay_diff": float((lp1 - lp0).abs().max()), "trace/fallback": fallback,
+            "trace/flipped_bits_diff": float((lp2 - lp0).abs().max()),
+            "trace/bits_dtype": str(records[0].bits.dtype), "trace/bits_per_element": 8 * records[0].bits.numel()
+            / (2 * records[0].packed.numel())}
+
+
 def reference(scheme: str, outdir: Path) -> None:
     import torch
 
@@ -138,6 +169,7 @@ def reference(scheme: str, outdir: Path) -> None:
     batch = common.make_batch()
     natural = {k: v for k, v in batch.items() if k != "r3_expert_ids"}
     result = {"logp_natural": trainer.logprobs(natural), "logp_replay": trainer.logprobs(batch), "losses": []}
+    result["logp_aqn"] = common.logprobs_with_aqn(trainer, batch)
     for step in range(4):
         stats = trainer.train_step(batch, common.loss_fn)
         result["losses"].append(stats["loss"])
@@ -162,6 +194,7 @@ def main() -> None:
     units = qat_linear_checks(trainer.config)
     units.update(aqn_checks(trainer))
     units.update(r3_checks(trainer))
+    units.update(trace_checks(trainer))
     common.write_json(outdir / "units.json", units)
 
 
