@@ -62,6 +62,10 @@ def layouts(reference, tmp_path_factory):
     return json.loads((out / "layouts.json").read_text())
 
 
+def test_cpu_shim_is_scoped_to_megatron(units):
+    assert units["shim/installed"] and units["shim/torch_untouched"] and units["shim/megatron_device"] == "cpu"
+
+
 @pytest.mark.parametrize("fmt_cls", ["nvfp4_FP4ColumnParallelLinear_w4a4", "nvfp4_FP4RowParallelLinear_w4a4",
                                      "mxfp4_FP4ColumnParallelLinear_w4a4", "nvfp4_FP4ColumnParallelLinear_w4a16"])
 def test_qat_linear_equals_codec_reference(units, fmt_cls):

@@ -26,9 +26,10 @@ Patches (each one names the obstacle it removes):
    CPU tensors the same way (to numpy when asked).
 4. Gradient clipping: `clip_grad_by_total_norm_fp32` asserts `param.grad.type() ==
    'torch.cuda.FloatTensor'`; the patch checks for float32 on any device and scales identically.
-5. Megatron's `Tensor.cuda()` calls in the optimizer's state reload become no-ops through the proxy's
-   factory mapping where possible; the distributed optimizer (which checks `torch.cuda.*Tensor`
-   types) is not used on CPU: the trainer falls back to Megatron's non-distributed optimizer.
+
+Not patched, on purpose: Megatron's distributed optimizer and its mixed-precision optimizer check for
+`torch.cuda.*Tensor` parameter types. On CPU the trainer uses Megatron's non-distributed FP32 optimizer
+(megatron_qrl.trainer.optim) and refuses bf16 with a clear error.
 
 Call `install()` once, after torch.distributed is initialised or before, but before building models;
 `megatron_qrl.platform.distributed.init_distributed` calls it for you. It is idempotent and calls

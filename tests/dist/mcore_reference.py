@@ -127,6 +127,22 @@ def _params(trainer) -> dict:
             if k.endswith("weight")}
 
 
+def shim_checks() -> dict:
+    """The CPU shim is scoped: Megatron's modules see a CPU 'cuda', torch itself is untouched."""
+    import torch
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_qrl.platform import cpu
+
+    try:
+        torch.cuda.current_device()
+        untouched = False
+    except (AssertionError, RuntimeError):
+        untouched = True
+    return {"shim/installed": cpu.installed(), "shim/torch_untouched": untouched,
+            "shim/megatron_device": str(layers.torch.cuda.current_device())}
+
+
 def trace_checks(trainer) -> dict:
     """Capture a forward's FP4 activations, replay them as TRACE guides: the same forward comes out."""
     import torch
@@ -195,6 +211,7 @@ def main() -> None:
     units.update(aqn_checks(trainer))
     units.update(r3_checks(trainer))
     units.update(trace_checks(trainer))
+    units.update(shim_checks())
     common.write_json(outdir / "units.json", units)
 
 
