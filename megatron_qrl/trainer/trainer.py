@@ -168,6 +168,11 @@ class Trainer:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # MoE aux/z losses: in per-token-loss mode Megatron multiplies them by the router's local token
+        # count and expects finalize_model_grads to divide by the global token count; we keep the loss a
+        # plain sum (num_tokens=None), so the division happens here. Net effect: Megatron's usual mean of
+        # the aux loss over micro-batches and data-parallel ranks.
+        self.config.moe_grad_scale_func = lambda n=float(sb.padded_size * sb.padded_seq_len): 1.0 / n
         out = self._run(sb, loss_fn, forward_only=False)
         finalize_model_grads(self.model, num_tokens=None)
         ok, grad_norm, _ = self.optimizer.step()
