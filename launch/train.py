@@ -31,7 +31,8 @@ def train(cfg) -> dict:
     from megatron_qrl.rl import is_weights
 
     env = discover()
-    env.export()
+    if env.launcher != "single":          # a lone process lets init_process_group pick a free port
+        env.export()
     cfg.check_world_size(env.world_size)
     s = RunSetup.build(cfg)                       # trainer, engine, tokenizer, data, reward, TRACE bridge
     start = resume_or_warm_start(s)

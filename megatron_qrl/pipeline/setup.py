@@ -69,9 +69,11 @@ class RunSetup:
         return self.engine
 
     # --------------------------------------------------------------------------------- generation
-    def sampling(self, step: int) -> SamplingParams:
-        seed = (self.cfg.rollout.seed * 1_000_003 + step * 101 + self.dp_rank) % (2 ** 31)
-        return SamplingParams.from_config(self.cfg.rollout, stop_token_ids=(self.tokenizer.eos_id,), seed=seed)
+    def sampling(self, step: int, index_offset: int = 0) -> SamplingParams:
+        """Seeded by (run seed, step); each response's generator by its global index in the batch."""
+        seed = (self.cfg.rollout.seed * 1_000_003 + step * 101) % (2 ** 31)
+        return SamplingParams.from_config(self.cfg.rollout, stop_token_ids=(self.tokenizer.eos_id,), seed=seed,
+                                          index_offset=index_offset)
 
 
 def generate_shard(s: RunSetup, prompts: list, step: int):
@@ -81,7 +83,8 @@ def generate_shard(s: RunSetup, prompts: list, step: int):
     mine = prompts[s.dp_rank * per:(s.dp_rank + 1) * per]
     engine = s.engine_ready()
     samples = [p for p in mine for _ in range(G)]
-    rollouts = engine.generate(encode_prompts(s.tokenizer, samples), s.sampling(step)) if samples else []
+    sampling = s.sampling(step, index_offset=s.dp_rank * per * G)
+    rollouts = engine.generate(encode_prompts(s.tokenizer, samples), sampling) if samples else []
     if s.dp_size > 1:
         parts: list = [None] * s.dp_size  # data parallel only (check_colocated_layout): the DP group is WORLD
         dist.all_gather_object(parts, (samples, rollouts))

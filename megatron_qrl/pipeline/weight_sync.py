@@ -21,6 +21,10 @@ def unwrap(trainer_model: list) -> list[torch.nn.Module]:
 
 
 def check_colocated_layout(cfg) -> None:
+    if cfg.rollout.placement != "colocated":
+        raise ValueError("rollout.placement=disaggregated is not implemented by the RL loop yet (the TRACE "
+                         "transport and the engine protocol support it; the loop's rank split does not): "
+                         "use rollout.placement=colocated")
     t = cfg.trainer
     if t.tensor_parallel * t.pipeline_parallel * t.expert_parallel != 1:
         raise ValueError(

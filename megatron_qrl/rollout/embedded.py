@@ -148,7 +148,7 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------------ generate
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         self._check_ready(prompts, sampling)
-        seqs = [Sequence(i, [int(t) for t in p], sampling, sequence_generator(sampling.seed, i))
+        seqs = [Sequence(i, [int(t) for t in p], sampling, sequence_generator(sampling.seed, sampling.index_offset + i))
                 for i, p in enumerate(prompts)]
         scheduler = ContinuousBatchScheduler(self.cache, self.max_batch_size, self.max_tokens_per_step)
         for s in seqs:

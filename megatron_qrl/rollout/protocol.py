@@ -41,6 +41,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     return_logprobs: bool = True
+    # global index of the first prompt: a data-parallel shard then draws exactly what one engine would
+    index_offset: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
