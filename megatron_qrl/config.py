@@ -97,6 +97,15 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0, description="0 = off")
     max_batch_size: int = Field(256, ge=1, description="continuous batching: concurrent sequences")
     seed: int = 0
+    sglang_model_path: Optional[str] = Field(None, description="sglang: served checkpoint (NVFP4 ModelOpt export)")
+    sglang_server_urls: list[str] = Field([], description="sglang disaggregated: server URLs")
+    sglang_router_url: Optional[str] = Field(None, description="sglang disaggregated: sglang_router URL")
+    sglang_tp_size: int = Field(1, ge=1, description="sglang: tensor parallel size per engine")
+    sglang_mem_fraction: float = Field(0.7, gt=0, lt=1, description="sglang: mem_fraction_static")
+    sglang_max_restarts: int = Field(2, ge=0, description="sglang: restarts of a dead server we launched")
+    sglang_update_group_addr: str = Field("127.0.0.1", description="sglang: trainer address for weight broadcast")
+    sglang_update_group_port: int = Field(29600, ge=1, le=65535, description="sglang: its rendezvous port")
+    weight_sync_bucket_mb: float = Field(512.0, gt=0, description="sglang: bytes per weight-sync bucket (MiB)")
 
 
 class AISConfig(_Section):
