@@ -1,0 +1,83 @@
+"""The QRLConfig a conversion runs with: model fields from the checkpoint, the rest from --config/overrides.
+
+The checkpoint (HF config.json or our manifest) defines the architecture; a --config file and dotted
+overrides supply everything else (quant.*, trainer.*, ...). A config that states an architecture field
+with another value than the checkpoint is refused instead of silently building a different model.
+The conversion itself always runs in one process with an unsharded model (TP=PP=EP=ETP=1): the Megatron
+dist checkpoint it reads or writes is layout-independent.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional
+
+import yaml
+
+from megatron_qrl.config import ConfigError, QRLConfig, apply_overrides, from_dict
+
+from .errors import ConvertError
+
+
+def _user_data(config_path: Optional[str], overrides: Iterable[str]) -> dict:
+    data: dict = {}
+    if config_path is not None:
+        p = Path(config_path)
+        if not p.is_file():
+            raise ConvertError(f"config file '{p}' does not exist; pass an existing YAML (e.g. configs/tiny_cpu.yaml) "
+                               "or leave out --config")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConvertError(f"config file '{p}' must hold a mapping of sections (model:, quant:, ...)")
+    return apply_overrides(data, list(overrides))
+
+
+def conversion_config(checkpoint_fields: dict, source: str, config_path: Optional[str] = None,
+                      overrides: Iterable[str] = (), defaults: Optional[dict] = None,
+                      fixed: Iterable[str] = ()) -> QRLConfig:
+    """Merge: `defaults` (sections) < user config/overrides < `checkpoint_fields` (model.*).
+
+    `fixed` names the model fields the checkpoint determines; the user may repeat them only with the same
+    value. Other checkpoint fields (e.g. max_sequence_length) are defaults the user may change.
+    """
+    user = _user_data(config_path, overrides)
+    user_model = user.get("model") or {}
+    fixed = set(fixed)
+    conflicts = [f"model.{k}: {source} has {checkpoint_fields[k]!r}, your config/overrides say {user_model[k]!r}"
+                 for k in sorted(fixed) if k in user_model and k in checkpoint_fields
+                 and user_model[k] != checkpoint_fields[k]]
+    if conflicts:
+        raise ConvertError("the config disagrees with the checkpoint's architecture:\n  " + "\n  ".join(conflicts)
+                           + "\nremove these fields from --config/overrides (the checkpoint defines them)")
+    data = {k: dict(v) for k, v in (defaults or {}).items()}
+    for section, values in user.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    model = {**{k: v for k, v in checkpoint_fields.items() if k not in fixed}, **user_model,
+             **{k: v for k, v in checkpoint_fields.items() if k in fixed}}
+    data["model"] = {**data.get("model", {}), **model}
+    try:
+        return from_dict(data)
+    except ConfigError as e:
+        raise ConvertError(f"the conversion config is invalid: {e}") from None
+
+
+def single_process(cfg: QRLConfig, bf16: bool = False) -> QRLConfig:
+    """The same run config with an unsharded layout (and the parameter dtype the conversion holds)."""
+    trainer = cfg.trainer.model_copy(update={"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
+                                             "expert_tensor_parallel": 1, "sequence_parallel": None,
+                                             "bf16": bf16})
+    return cfg.model_copy(update={"trainer": trainer})
+
+
+def config_from_manifest(manifest: dict, source: str, config_path: Optional[str] = None,
+                         overrides: Iterable[str] = ()) -> QRLConfig:
+    """Run config for reading a checkpoint: its manifest's model (fixed) and quant (default) sections."""
+    from .qwen3_moe import DERIVED_FIELDS
+
+    fields = dict(manifest.get("model") or {})
+    if not fields:
+        raise ConvertError(f"{source} has no model config; it was not written by Trainer.save or qrl convert")
+    return conversion_config(fields, source, config_path, overrides, defaults={"quant": manifest.get("quant") or {}},
+                             fixed=DERIVED_FIELDS)

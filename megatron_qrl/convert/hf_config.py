@@ -1,0 +1,91 @@
+"""config.json handling: read a source config, pick the config written next to exported weights.
+
+Exports (mcore-to-hf, export-nvfp4) write the source model's own config.json when it is known, so the
+round trip returns the same file content: `qrl convert hf-to-mcore` keeps the source config as
+`hf_config.json` inside the checkpoint, `--hf-config` points at one explicitly, and only without either
+is a Qwen3-MoE config generated from the checkpoint's model config.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from . import qwen3_moe
+from .errors import ConvertError
+
+STORED_CONFIG = "hf_config.json"       # the source config.json, kept inside converted checkpoints
+DTYPE_KEYS = ("torch_dtype", "dtype")  # transformers 4 / 5 spell the weight dtype differently
+# files an HF directory holds besides weights/config that exports carry over (tokenizer, generation config)
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """config.json of an HF checkpoint directory (or the file itself)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConvertError(f"'{file}' does not exist; pass a Hugging Face checkpoint directory with config.json")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"'{file}' is not valid JSON ({e}); re-save the config") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"'{file}' must hold a JSON object")
+    return data
+
+
+def config_dtype(hf: dict) -> Optional[str]:
+    for key in DTYPE_KEYS:
+        if isinstance(hf.get(key), str):
+            return hf[key]
+    return None
+
+
+def with_dtype(hf: dict, dtype: str) -> dict:
+    """The config with its weight dtype entry (whichever spelling it uses) set to `dtype`."""
+    out = dict(hf)
+    keys = [k for k in DTYPE_KEYS if k in out] or ["torch_dtype"]
+    for k in keys:
+        out[k] = dtype
+    return out
+
+
+def output_config(checkpoint: Path, model_cfg, hf_config: Optional[str]) -> tuple[dict, Optional[Path]]:
+    """(config.json for the export, HF directory whose side files to copy or None).
+
+    Order: --hf-config, the checkpoint's stored source config, a generated one. A given config must describe
+    the checkpoint's architecture.
+    """
+    side_dir = None
+    if hf_config is not None:
+        base = read_hf_config(hf_config)
+        side_dir = Path(hf_config) if Path(hf_config).is_dir() else None
+        origin = f"--hf-config {hf_config}"
+    elif (checkpoint / STORED_CONFIG).is_file():
+        base = read_hf_config(checkpoint / STORED_CONFIG)
+        origin = f"{checkpoint / STORED_CONFIG}"
+    else:
+        return qwen3_moe.hf_config_from_model(model_cfg), None
+    fields = qwen3_moe.model_fields_from_hf(base)
+    mine = model_cfg.model_dump()
+    mine["kv_channels"] = model_cfg.head_dim
+    diff = [f"{k} ({fields[k]!r} vs checkpoint {mine[k]!r})" for k in qwen3_moe.DERIVED_FIELDS if fields[k] != mine[k]]
+    if diff:
+        raise ConvertError(f"{origin} describes another model than the checkpoint: {', '.join(diff)}; pass the "
+                           "config.json of the model this checkpoint was converted from, or leave out --hf-config")
+    return base, side_dir
+
+
+def copy_side_files(src: Optional[Path], dst: Path) -> list[str]:
+    """Copy tokenizer / generation config files (not weights, not config.json) from an HF directory."""
+    if src is None:
+        return []
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_FILES) \
+                and f.name != "hf_quant_config.json":
+            shutil.copy2(f, dst / f.name)
+            copied.append(f.name)
+    return copied

@@ -1,0 +1,37 @@
+"""`qrl convert hf-to-mcore SRC DST [--config C] [overrides...]` and `qrl convert mcore-to-hf SRC DST`."""
+from __future__ import annotations
+
+import argparse
+
+from ._common import run_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-mcore,mcore-to-hf}")
+    a = sub.add_parser("hf-to-mcore", help="Qwen3-MoE HF safetensors directory -> Megatron dist checkpoint",
+                       description="Convert a Qwen3-MoE Hugging Face checkpoint (config.json + *.safetensors) into "
+                                   "a model-only Megatron dist checkpoint that Trainer.load(path, "
+                                   "load_optimizer=False) reads under any TP/PP/EP layout.")
+    a.add_argument("src", help="HF checkpoint directory")
+    a.add_argument("dst", help="output checkpoint directory (must not exist)")
+    a.add_argument("--config", help="run config YAML for the non-architecture sections (quant, trainer, ...)")
+    a.add_argument("overrides", nargs="*", help="dotted overrides, e.g. quant.targets=all_linears")
+    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint (any layout) -> Qwen3-MoE HF safetensors directory",
+                       description="Convert a checkpoint written by Trainer.save or `qrl convert hf-to-mcore` into a "
+                                   "Hugging Face Qwen3MoeForCausalLM directory.")
+    b.add_argument("src", help="checkpoint directory (with manifest.json)")
+    b.add_argument("dst", help="output HF directory (must not exist)")
+    b.add_argument("--hf-config", help="the source HF directory (or its config.json): config and tokenizer files to "
+                                       "write alongside; default: the config stored at conversion time")
+    b.add_argument("--dtype", help="weight dtype: bfloat16 | float16 | float32 (default: the source config's)")
+    b.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_qrl import convert
+
+    if args.direction == "hf-to-mcore":
+        return run_command("convert hf-to-mcore",
+                           lambda: convert.hf_to_mcore(args.src, args.dst, args.config, args.overrides))
+    return run_command("convert mcore-to-hf", lambda: convert.mcore_to_hf(
+        args.src, args.dst, hf_config=args.hf_config, dtype=args.dtype, max_shard_size=args.max_shard_size))
