@@ -180,8 +180,15 @@ class _FP4LinearMixin:
         return straight_through(x, deq)
 
     def _quant_weight(self, w: torch.Tensor) -> torch.Tensor:
-        deq, _ = quantize_dequantize(w, self.quant.format, group=self._tp())
-        return straight_through(w, deq)
+        # A weight changes only at optimizer steps (in place, bumping its version counter): quantize it once
+        # per version instead of in every micro-batch and pass. The STE below still runs per forward.
+        key = (id(w), w.data_ptr(), w._version, w.dtype, self.quant.format)
+        cached = getattr(self, "_fq_weight_cache", None)
+        if cached is None or cached[0] != key:
+            deq, _ = quantize_dequantize(w, self.quant.format, group=self._tp())
+            cached = (key, deq)
+            self._fq_weight_cache = cached
+        return straight_through(w, cached[1])
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         q = self.quant
