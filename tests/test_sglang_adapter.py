@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_qrl.config import apply_overrides, from_dict
-from megatron_qrl.rollout import FP4Tensor, RolloutEngine, SamplingParams, WeightUpdateError, pack_weight
+from megatron_qrl.rollout import RolloutEngine, SamplingParams, WeightUpdateError, pack_weight
 from megatron_qrl.rollout import payload_digest
 from megatron_qrl.rollout.sglang import (RoutingLayout, SGLangConfigError, SGLangEngine, SGLangResponseError,
                                          TraceUnsupportedError, UnsupportedQuantization, build_sglang_engine,
@@ -104,7 +104,9 @@ def test_fp4_weight_travels_as_modelopt_tensors_of_the_codec_bytes():
                                        for s in ("weight", "weight_scale", "weight_scale_2", "input_scale")]
     assert by_name["weight"].tensor.dtype == torch.uint8 and by_name["weight"].tensor.shape == (16, 32)
     assert torch.equal(by_name["weight"].tensor, fp4.packed)
-    assert by_name["weight_scale"].tensor.dtype == torch.float8_e4m3fn and by_name["weight_scale"].tensor.shape == (16, 4)
+    scale = by_name["weight_scale"].tensor
+    assert scale.dtype == torch.float8_e4m3fn and scale.shape == (16, 4) and torch.equal(scale.view(torch.uint8),
+                                                                                     fp4.scales.view(torch.uint8))
     assert by_name["weight_scale_2"].tensor.shape == () and by_name["weight_scale_2"].dtype_name == "float32"
     assert by_name["weight_scale"].dtype_name == "float8_e4m3fn" and hasattr(torch, "float8_e4m3fn")
 
@@ -146,7 +148,8 @@ def test_flattened_bucket_round_trips_mixed_dtypes():
 
 
 def _broadcast_worker(rank, port, nbytes_holder):
-    from megatron_qrl.rollout.sglang.update_group import open_update_group, broadcast_bucket, receive_bucket
+    from megatron_qrl.rollout.sglang.update_group import (broadcast_bucket, close_update_group, open_update_group,
+                                                          receive_bucket)
 
     pg = open_update_group("127.0.0.1", port, 2, rank=rank, backend="gloo", timeout_s=60)
     torch.manual_seed(0)
@@ -157,6 +160,7 @@ def _broadcast_worker(rank, port, nbytes_holder):
         meta = BucketMeta.of(bucket)
         got = unflatten_bucket(receive_bucket(sum(t.nbytes for t in bucket), pg), meta)
         assert [payload_digest(t.tensor) for t in got] == [payload_digest(t.tensor) for t in bucket]
+    close_update_group(pg)
 
 
 def test_update_group_broadcasts_a_bucket_between_two_processes():
@@ -381,3 +385,37 @@ def test_server_process_reports_a_crash_during_startup(tmp_path):
                       startup_timeout_s=20, poll_s=0.05)
     with pytest.raises(EngineStartError, match="exited with code 3"):
         p.start()
+
+
+def test_the_gpu_smoke_script_parses_its_arguments():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "tools/sglang_smoke.py", "--help"], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and "--model-path" in r.stdout, r.stderr
+
+
+def test_disaggregated_audit_compares_versions_and_checksums_across_servers():
+    from megatron_qrl.rollout.sglang.disaggregated import ServerBackend
+    from megatron_qrl.rollout.sglang.server_client import ServerClient
+
+    class Transport:  # per-server answers; records nothing SGLang-specific
+        def __init__(self, sums):
+            self.sums = sums
+
+        def request(self, method, url, body, timeout):
+            host = url.split("/")[2]
+            if url.endswith("/model_info"):
+                return {"weight_version": "4"}
+            return {"success": True, "per_engine_checksum": self.sums[host]}
+
+    def backend(sums):
+        t = Transport(sums)
+        return ServerBackend([ServerClient(f"http://{h}", t) for h in sums], group_backend="gloo")
+
+    ok = backend({"a:1": "x", "b:1": "x"}).audit(4)
+    assert ok["weight_version_ok"] and ok["checksums_agree"]
+    engine = make_engine(backend({"a:1": "x", "b:1": "y"}))
+    engine.backend.sync = lambda buckets, version: None  # no update group here; the audit is under test
+    with pytest.raises(WeightUpdateError, match="different weights"):
+        engine.update_weights(update()[0], 4, update()[1])

@@ -75,19 +75,20 @@ def string_list(node) -> set[str]:
     return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
 
 
+def _body_class(ann):
+    """X from X, Annotated[X, Body()], Optional[X] and their nestings."""
+    while isinstance(ann, ast.Subscript):
+        ann = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
+    return ann.id if isinstance(ann, ast.Name) else None
+
+
 def http_routes(release) -> dict[str, tuple[set[str], str | None]]:
     """path -> (HTTP methods, name of the request-body class of the handler's `obj` parameter)."""
     routes = {}
     for fn in ast.walk(_tree(release, "srt/entrypoints/http_server.py")):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        body_cls = None
-        for arg in fn.args.args:
-            if arg.arg == "obj" and arg.annotation is not None:
-                ann = arg.annotation
-                if isinstance(ann, ast.Subscript):  # Annotated[X, Body()]
-                    ann = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
-                body_cls = ann.id if isinstance(ann, ast.Name) else None
+        body_cls = next((_body_class(a.annotation) for a in fn.args.args if a.arg == "obj" and a.annotation), None)
         for dec in fn.decorator_list:
             if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.args
                     and isinstance(dec.args[0], ast.Constant)):
@@ -188,6 +189,8 @@ class RecordingTransport:
             return {"weight_version": "3"}
         if path == "/server_info":
             return {"quantization": "modelopt_fp4"}
+        if path == "/weights_checker":
+            return {"success": True, "message": "", "per_engine_checksum": "ab12"}
         return {"success": True, "message": "ok"}
 
 
@@ -265,7 +268,7 @@ def test_http_routes_and_body_keys_exist_in_the_release(release):
     server.destroy_weights_update_group()
     server.release_memory_occupation()
     server.resume_memory_occupation()
-    server.is_healthy(), server.model_info(), server.flush_cache()
+    server.is_healthy(), server.model_info(), server.flush_cache(), server.weights_checksum()
     routes = http_routes(release)
     io_struct = "srt/managers/io_struct.py"
     checked = set()
@@ -279,7 +282,8 @@ def test_http_routes_and_body_keys_exist_in_the_release(release):
             assert set(body) <= fields, f"{body_cls} has no field(s) {set(body) - fields}"
         checked.add(path)
     assert {"/generate", "/server_info", "/init_weights_update_group", "/update_weights_from_distributed",
-            "/release_memory_occupation", "/resume_memory_occupation", "/health", "/model_info"} <= checked
+            "/release_memory_occupation", "/resume_memory_occupation", "/health", "/model_info",
+            "/weights_checker"} <= checked
     generate_body = next(b for m, p, b in transport.calls if p == "/generate")
     assert set(generate_body["sampling_params"]) <= class_fields(release, "srt/sampling/sampling_params.py",
                                                                  "SamplingParams")
@@ -373,6 +377,14 @@ def test_weight_sync_wire_format_matches_the_release_receiver(release):
     mq = release.read("srt/layers/quantization/modelopt_quant.py")
     for name in ('"weight"', '"weight_scale"', '"weight_scale_2"', '"input_scale"'):
         assert f"layer.register_parameter({name}" in mq  # ModelOpt NVFP4 linear parameter names
+
+
+def test_weights_checker_checksum_is_the_releases_hash_of_installed_weights(release):
+    wc = release.read("srt/utils/weight_checker.py")
+    assert 'elif action == "checksum":' in wc and "comparable.dequantize()" in wc
+    assert 'action: str = "checksum"' in release.read("srt/managers/io_struct.py")
+    assert 'body["per_engine_checksum"] = per_engine_checksum' in release.read("srt/entrypoints/http_server.py")
+    assert "def check_weights" not in release.read("srt/entrypoints/engine.py")  # no in-process equivalent
 
 
 def test_facts_behind_the_trace_refusal(release):

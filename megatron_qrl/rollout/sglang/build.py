@@ -72,13 +72,15 @@ def build_sglang_engine(cfg, *, capability=None, transport: Optional[Transport] 
         if check_servers and not launch:
             _check_served_quantization(servers, quant)
         router = ServerClient(ro.sglang_router_url, transport) if ro.sglang_router_url else None
-        backend = ServerBackend(servers, router, tp_size=ro.sglang_tp_size, master_address=ro.sglang_update_group_addr,
+        backend = ServerBackend(servers, router, tp_size=ro.sglang_tp_size,
+                                master_address=ro.sglang_update_group_addr,
                                 master_port=ro.sglang_update_group_port, processes=processes)
     return SGLangEngine(cfg, backend, routing=routing, name_map=name_map, input_scales=input_scales,
                         deterministic=deterministic, quantization=quant)
 
 
-def _launch(servers: list[ServerClient], server_args: dict, ro, output_dir: str, base_gpu_id: int) -> list[ServerProcess]:
+def _launch(servers: list[ServerClient], server_args: dict, ro, output_dir: str,
+            base_gpu_id: int) -> list[ServerProcess]:
     procs = []
     for i, s in enumerate(servers):
         url = urlparse(s.url)

@@ -28,7 +28,7 @@ class ServerBackend:
     def __init__(self, servers: list[ServerClient], router: Optional[ServerClient] = None, *, tp_size: int = 1,
                  master_address: str = "127.0.0.1", master_port: int = 29600, group_backend: str = "nccl",
                  group_name: str = DEFAULT_GROUP, processes: Optional[list[ServerProcess]] = None,
-                 max_concurrency: int = 256):
+                 max_concurrency: int = 256, checksum_audit: bool = True):
         if not servers:
             raise ValueError("the disaggregated SGLang engine needs at least one server URL "
                              "(rollout.sglang_server_urls)")
@@ -38,6 +38,7 @@ class ServerBackend:
         self.master_address, self.master_port = master_address, master_port
         self.group_backend, self.group_name = group_backend, group_name
         self.processes = processes or []
+        self.checksum_audit = checksum_audit
         self.pool = ThreadPoolExecutor(max_workers=max(max_concurrency, len(servers)))
         self.pg = None
 
@@ -93,10 +94,18 @@ class ServerBackend:
             for f in futures:
                 f.result()
 
+    def checksums(self) -> dict[str, Optional[str]]:
+        return {s.url: s.weights_checksum() for s in self.servers}
+
     def audit(self, version: int) -> dict:
-        """Every server reports the version the last bucket carried (/model_info weight_version)."""
+        """Every server reports the version the last bucket carried (/model_info weight_version) and, with
+        checksum_audit, the release's checksum of its installed weights, which must agree across servers."""
         seen = {s.url: str(s.model_info().get("weight_version")) for s in self.servers}
-        return {"weight_version_ok": all(v == str(version) for v in seen.values()), "weight_versions": seen}
+        report = {"weight_version_ok": all(v == str(version) for v in seen.values()), "weight_versions": seen}
+        if self.checksum_audit:
+            sums = self.checksums()
+            report.update(engine_checksums=sums, checksums_agree=len(set(sums.values())) == 1)
+        return report
 
     # ------------------------------------------------------------------------------- memory / health
     def release(self) -> None:

@@ -2,9 +2,10 @@
 
 What the RL loop gets is the same as from the embedded engine, minus TRACE: samples with raw-logit
 log-probs and R3 routed-expert ids, digest-checked weight updates, release/resume in colocated mode.
-Digests are checked on *our* side of the wire (the pinned release has no API that hashes its
-parameters); after a sync the adapter audits what SGLang can report -- the weight version on every
-server and in every sample's meta_info (disaggregated placement).
+Digests are checked on *our* side of the wire: the release's own checksum (/weights_checker) hashes its
+internal, post-processed tensors, which cannot be compared with our digests. After a sync the adapter
+audits what SGLang can report (disaggregated placement): the weight version on every server and in every
+sample's meta_info, and that all servers' checksums agree.
 """
 from __future__ import annotations
 
@@ -144,6 +145,9 @@ class SGLangEngine:
         if self.last_audit.get("weight_version_ok") is False:
             raise WeightUpdateError(f"post-sync audit failed: servers report weight versions "
                                     f"{self.last_audit['weight_versions']}, expected {version}")
+        if self.last_audit.get("checksums_agree") is False:
+            raise WeightUpdateError(f"post-sync audit failed: servers hold different weights after the same update "
+                                    f"(/weights_checker checksums {self.last_audit['engine_checksums']})")
 
     # ------------------------------------------------------------------------------ memory / status
     def release_memory(self) -> None:

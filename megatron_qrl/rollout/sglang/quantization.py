@@ -53,12 +53,13 @@ def choose_engine_quantization(capability, weights: str, scheme: str) -> EngineQ
     if weights == "bf16":
         return EngineQuantization(None, {}, "w16a16", "unquantized checkpoint")
     if weights not in ("nvfp4", "mxfp4"):
-        raise UnsupportedQuantization(f"rollout.weights={weights!r} has no SGLang quantization; use nvfp4, mxfp4 or bf16")
+        raise UnsupportedQuantization(f"rollout.weights={weights!r} has no SGLang quantization; "
+                                      "use nvfp4, mxfp4 or bf16")
     if scheme not in ("w4a4", "w4a16"):
         raise UnsupportedQuantization(f"rollout.scheme={scheme!r} is not one of w4a4, w4a16")
     if cap < MARLIN_MIN:
-        raise UnsupportedQuantization(f"FP4 rollouts with SGLang need compute capability >= 8.0 (Marlin); this GPU is {sm}. "
-                                      "Use rollout.weights=bf16 or another GPU")
+        raise UnsupportedQuantization(f"FP4 rollouts with SGLang need compute capability >= 8.0 (Marlin); this GPU "
+                                      f"is {sm}. Use rollout.weights=bf16 or another GPU")
     marlin = {"fp4_gemm_runner_backend": MARLIN_BACKEND, "moe_runner_backend": MARLIN_BACKEND}
     if weights == "nvfp4":
         if scheme == "w4a4":

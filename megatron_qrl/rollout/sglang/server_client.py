@@ -104,6 +104,15 @@ class ServerClient:
             body["weight_version"] = weight_version
         return self._check(self._post("/update_weights_from_distributed", body), "update_weights_from_distributed")
 
+    def weights_checksum(self) -> Optional[str]:
+        """The release's own hash of every parameter as installed (post-processed layouts), all TP ranks.
+
+        It hashes SGLang's internal tensors, so it cannot be compared with our digests -- only with itself:
+        across servers after the same update, or before/after re-sending the same bytes.
+        """
+        answer = self._check(self._post("/weights_checker", {"action": "checksum"}, timeout=600.0), "weights_checker")
+        return answer.get("per_engine_checksum") if isinstance(answer, dict) else None
+
     # ----------------------------------------------------------------------------------------- memory
     def release_memory_occupation(self) -> Any:
         return self._post("/release_memory_occupation", {"tags": None})

@@ -54,10 +54,12 @@ def modelopt_tensors(name: str, payload: Payload, input_scale: Optional[torch.Te
     if isinstance(payload, torch.Tensor):
         return [WireTensor(name, payload.detach().contiguous())]
     if not isinstance(payload, FP4Tensor):
-        raise WireFormatError(f"'{name}': payload must be a tensor or FP4Tensor, got {type(payload).__name__}")
+        raise WireFormatError(f"'{name}': payload must be a tensor or FP4Tensor, "
+                              f"got {type(payload).__name__}")
     if payload.format != "nvfp4":
         raise WireFormatError(f"'{name}': {payload.format} payloads cannot be synced to SGLang (its MXFP4 loader reads "
-                              "model-specific checkpoint layouts, e.g. GPT-OSS blocks/scales); use rollout.weights=nvfp4")
+                              "model-specific checkpoint layouts, e.g. GPT-OSS blocks/scales); "
+                              "use rollout.weights=nvfp4")
     base = weight_base(name)
     parts = [WireTensor(f"{base}.weight", payload.packed.contiguous()),
              WireTensor(f"{base}.weight_scale", payload.scales.contiguous()),
