@@ -37,7 +37,7 @@ setup(
         "convert": ["nvidia-modelopt==0.47.0", "transformers>=4.51", "requests", "huggingface_hub"],
         # NVIDIA Apex is built from its own source (the PyPI "apex" is unrelated); never listed here.
         "gpu": ["triton>=3.6", "transformer_engine[pytorch]"],
-        "sglang": ["sglang>=0.5,<0.6"],
+        "sglang": ["sglang==0.5.15.post1"],
     },
     entry_points={"console_scripts": ["qrl=megatron_qrl.cli:main"]},
 )
