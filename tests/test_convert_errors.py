@@ -165,3 +165,9 @@ def test_cli_reports_errors_in_one_line(source, tmp_path, capsys):
     assert err.startswith("qrl convert hf-to-mcore: error: output") and "already exists" in err
     assert main(["export-nvfp4", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     assert "qrl export-nvfp4: error: checkpoint" in capsys.readouterr().err
+    # overrides may follow options (argparse alone would reject them as unrecognized)
+    config = tmp_path / "run.yaml"
+    config.write_text("quant:\n  targets: all_linears\n")
+    assert main(["convert", "hf-to-mcore", str(source), str(tmp_path / "new"), "--config", str(config),
+                 "model.num_layers=4"]) == 2
+    assert "model.num_layers: " in capsys.readouterr().err and nothing_written(tmp_path / "new")

@@ -21,3 +21,22 @@ def run_command(name: str, body: Callable[[], object]) -> int:
         teardown()
     print(f"qrl {name}: wrote {result}")
     return 0
+
+
+def allow_overrides_after_options(parser) -> None:
+    """Accept `SRC DST --config C a.b=1`: plain argparse stops filling a positional list once an option has
+    appeared, so trailing overrides would be rejected. Parse this (leaf) parser intermixed instead; the
+    parent parser calls `parse_known_args`, which is therefore replaced on this instance."""
+    plain = parser.parse_known_args
+    state = {"inner": False}
+
+    def parse_known_args(args=None, namespace=None):
+        if state["inner"]:  # parse_known_intermixed_args calls back into parse_known_args
+            return plain(args, namespace)
+        state["inner"] = True
+        try:
+            return parser.parse_known_intermixed_args(args, namespace)
+        finally:
+            state["inner"] = False
+
+    parser.parse_known_args = parse_known_args

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import run_command
+from ._common import allow_overrides_after_options, run_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("dst", help="output checkpoint directory (must not exist)")
     a.add_argument("--config", help="run config YAML for the non-architecture sections (quant, trainer, ...)")
     a.add_argument("overrides", nargs="*", help="dotted overrides, e.g. quant.targets=all_linears")
+    allow_overrides_after_options(a)
     b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint (any layout) -> Qwen3-MoE HF safetensors directory",
                        description="Convert a checkpoint written by Trainer.save or `qrl convert hf-to-mcore` into a "
                                    "Hugging Face Qwen3MoeForCausalLM directory.")

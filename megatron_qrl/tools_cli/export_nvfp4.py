@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import run_command
+from ._common import allow_overrides_after_options, run_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scales.add_argument("--calib-seq-len", type=int, default=128, help="length of the random sequences (default 128)")
     scales.add_argument("--input-amax", type=float,
                         help="skip calibration: input_scale = VALUE/(6*448) for every linear")
+    allow_overrides_after_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
