@@ -35,6 +35,7 @@ def train(cfg) -> dict:
         env.export()
     cfg.check_world_size(env.world_size)
     s = RunSetup.build(cfg)                       # trainer, engine, tokenizer, data, reward, TRACE bridge
+    s.save_config()                               # runs/NAME/config.yaml: what `qrl eval` reloads
     start = resume_or_warm_start(s)
     last: dict = {}
     with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log:

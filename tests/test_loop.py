@@ -67,3 +67,21 @@ def test_stopped_run_resumes_and_continues_the_metrics_stream(reference, tmp_pat
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for k in EXACT + list(CLOSE):  # same layout, same seeds: bit-exact on CPU
         assert metrics[2][k] == reference[2][k], k
+
+
+def test_qrl_eval_reports_heldout_accuracy_of_a_checkpoint(reference, tmp_path):
+    out = tmp_path / "evalrun"
+    _train(out, steps=1)
+    ckpt = out / "checkpoints" / "step_000001"
+    assert (out / "config.yaml").is_file()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.evaluate", str(ckpt), "data.eval_size=16",
+                        "--out", str(tmp_path / "eval.json")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["eval/num_prompts"] == 16 and 0.0 <= result["eval/accuracy"] <= 1.0
+    assert result["task"] == "arithmetic"
+    bad = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.evaluate", str(tmp_path / "missing")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "is not a directory" in bad.stderr

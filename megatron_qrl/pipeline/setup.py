@@ -58,6 +58,21 @@ class RunSetup:
         return cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
                    trainer.dp_rank, trainer.dp_size)
 
+    def save_config(self) -> None:
+        """The resolved config beside the checkpoints (rank 0, atomic)."""
+        import os
+        from pathlib import Path
+
+        from megatron_qrl.config import dump_config
+
+        if dist.get_rank() != 0:
+            return
+        out = Path(self.cfg.run.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "config.yaml.tmp"
+        tmp.write_text(dump_config(self.cfg))
+        os.replace(tmp, out / "config.yaml")
+
     # ------------------------------------------------------------------------------ engine memory
     def engine_idle(self) -> None:
         """Colocated placement: the engine gives its memory back while the trainer runs."""
