@@ -159,6 +159,22 @@ def test_bf16_round_trip_keeps_bf16(tmp_path):
     assert_same_tensors(_hf_tensors(tmp_path / "hf"), theirs)
 
 
+def test_tied_embeddings(tmp_path):
+    """tie_word_embeddings: HF saves no lm_head, Megatron shares the embedding as output layer."""
+    from megatron_qrl.convert import hf_to_mcore, mcore_to_hf
+    from megatron_qrl.convert.mcore_io import load_model_checkpoint
+    from megatron_qrl.models import build_model
+
+    hf_model = make_tiny_hf(tmp_path / "hf", seed=7, tie_word_embeddings=True)
+    assert "lm_head.weight" not in _hf_tensors(tmp_path / "hf")
+    ckpt = hf_to_mcore(tmp_path / "hf", tmp_path / "ckpt")
+    model = build_model(qat_off(ckpt))[0]
+    load_model_checkpoint(model, ckpt)
+    ids = tokens(seed=2)
+    assert (mcore_logits(model, ids) - hf_logits(hf_model, ids)).abs().max().item() < LOGITS_ATOL
+    assert_same_tensors(_hf_tensors(tmp_path / "hf"), _hf_tensors(mcore_to_hf(ckpt, tmp_path / "back")))
+
+
 def test_sharded_output_loads_in_transformers(converted, tmp_path):
     from transformers import AutoModelForCausalLM
 
