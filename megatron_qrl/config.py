@@ -191,6 +191,8 @@ class RunConfig(_Section):
     eval_every: int = Field(10, ge=0)
     checkpoint_every: int = Field(10, ge=0)
     resume: bool = True
+    init_checkpoint: Optional[str] = Field(None, description="start from these weights (e.g. `qrl convert "
+                                           "hf-to-mcore` output) when the run has no checkpoint of its own")
     wandb_project: str = "megatron-qrl"
     wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
     max_nonfinite_steps: int = Field(3, ge=1)

@@ -127,6 +127,8 @@ def resume_or_warm_start(s: RunSetup) -> int:
         extra = s.trainer.load(str(latest))
         s.prompts.load_state_dict(extra["data"])
         return int(extra["step"])
+    if cfg.run.init_checkpoint:  # weights only (a converted HF model or another run's checkpoint)
+        s.trainer.load(cfg.run.init_checkpoint, load_optimizer=False)
     if cfg.run.sft_steps:
         from megatron_qrl.logging import progress_bar
 
