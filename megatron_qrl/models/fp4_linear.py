@@ -105,6 +105,14 @@ def _global_amax(x: torch.Tensor, group, floor: Optional[torch.Tensor] = None) -
     return amax
 
 
+def _triton_ok(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    from megatron_qrl.kernels import use_triton
+
+    return use_triton(x)
+
+
 def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[GuidedRounding] = None,
                         capture: bool = False, fallback_shift: float = 0.25,
                         stats: Optional[dict] = None, amax_floor: Optional[torch.Tensor] = None):
@@ -114,6 +122,16 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
     bytes are exactly those the engine and the exporter compute.
     """
     with torch.no_grad():
+        if fmt == "nvfp4" and not capture and _triton_ok(x):
+            # GPU: one fused Triton kernel, byte-identical to the torch codec (tests/test_kernels_codec.py),
+            # instead of ~75 small kernels and a host sync per call
+            from megatron_qrl.kernels import nvfp4_fake_quant_triton
+
+            if guide is not None:
+                return nvfp4_fake_quant_triton(x, guide, fallback_shift=fallback_shift, stats=stats,
+                                               check_finite=False), None
+            gs = nvfp4_global_scale(_global_amax(x, group, amax_floor))
+            return nvfp4_fake_quant_triton(x, global_scale=gs, check_finite=False), None
         if fmt == "nvfp4":
             gs = None if guide is None else guide.global_scale
             if gs is not None and torch.is_tensor(gs) and gs.numel() > 1:
@@ -128,7 +146,12 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
                                      stats=stats)
             else:
                 gs = nvfp4_global_scale(_global_amax(x, group, amax_floor))
-                out = nvfp4_quantize(x, gs, "nearest", capture=capture)
+                if _triton_ok(x):  # GPU capture (the engine's TRACE record): the same bytes from one kernel
+                    from megatron_qrl.kernels import nvfp4_quantize_triton
+
+                    out = nvfp4_quantize_triton(x, gs, capture=capture, check_finite=False)
+                else:
+                    out = nvfp4_quantize(x, gs, "nearest", capture=capture)
             packed, scales, gs = out[:3]
             deq = nvfp4_dequantize(packed, scales, gs, dtype=x.dtype)
             return deq, ((packed, scales, gs, out[3]) if capture else None)

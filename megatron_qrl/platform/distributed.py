@@ -56,15 +56,17 @@ def init_process_group(timeout_minutes: int = 10) -> None:
     """torch.distributed from the torchrun env; a single local rank when the env is absent."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:
+        # a lone process: an in-memory store, so there is no TCP port to pick (and race other jobs for)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def set_layout(layout: Layout, seed: int, cfg=None) -> None:

@@ -20,7 +20,8 @@ BLOCK = 32
 def mxfp4_block_exponents(x: torch.Tensor) -> torch.Tensor:
     """int32 [..., K/32]: the unbiased shared exponent of each block."""
     blocks = x.detach().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    d = blocks.abs().amax(dim=-1).float() / e2m1.E2M1_MAX
+    amax = blocks.abs().amax(dim=-1).float()
+    d = amax / torch.tensor(e2m1.E2M1_MAX, dtype=torch.float32, device=amax.device)  # true division on CUDA too
     mant, exp = torch.frexp(d)  # d = mant * 2^exp, mant in [0.5, 1)
     ceil_log2 = torch.where(mant == 0.5, exp - 1, exp)
     ceil_log2 = torch.where(d > 0, ceil_log2, torch.full_like(ceil_log2, -127))

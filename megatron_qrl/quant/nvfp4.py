@@ -25,7 +25,9 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """Per-tensor FP32 scale. An all-zero tensor gets 1/(6*448) (ModelOpt would produce NaN scales)."""
     amax = x.detach().abs().amax().float()
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return amax / (e2m1.E2M1_MAX * E4M3_MAX)
+    # divide by a tensor: PyTorch's CUDA kernel turns division by a Python scalar into a multiply by its
+    # reciprocal, which can land 1 ulp away from the CPU's (and the Triton kernels') true quotient
+    return amax / torch.tensor(e2m1.E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
 
 
 def nvfp4_block_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
