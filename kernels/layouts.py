@@ -1,0 +1,187 @@
+"""Kernel-preferred layouts of FP4 weights, produced ONCE at weight-sync time (never per GEMM call).
+
+The checkpoint / weight-sync format (METHODS.md section 1) packs element 2i in the low nibble and 2i+1 in
+the high nibble of byte i. The W4A16 kernels want each byte to feed two *contiguous* runs of the
+activation row, so one 16-byte load of weights dequantizes into two tiles that each multiply a contiguous
+slice of x (no stride-2 activation loads, no in-register interleave), and they want the bits of each code
+where a float16 wants them, so the decode is a shift and a mask:
+
+    kernel layout, per group of 32 elements (16 bytes), byte j (0..15) holds
+        a = code[32g + j]  ("low" element)   and   b = code[32g + 16 + j]  ("high" element) as
+        bit 0: sign(b), bits 1-3: |a| index, bits 4-6: |b| index, bit 7: sign(a)
+    so   (byte << 8) & 0x8E00                           = float16 bits of value(a) * 2^-14
+         ((byte << 5) & 0x0E00) | ((byte << 15) & 0x8000) = float16 bits of value(b) * 2^-14
+    and two bytes placed in the upper bytes of a 32-bit word t decode to two fp16x2 words with
+    t & 0x8E008E00 and ((t >> 3) | (t << 7)) & 0x8E008E00: 5 integer instructions per 4 weights.
+
+With NVFP4 (blocks of 16) the low elements of a group are exactly scale block 2g and the high ones block
+2g+1; with MXFP4 (blocks of 32) the whole group is one scale block. Scales keep their [N, K/block] order
+(one contiguous run per weight row and K tile, so a tile's scales come in one vector load); they are
+stored as raw uint8 bytes (E4M3 bits for NVFP4, E8M0 exponents for MXFP4) and decoded in-kernel with bit
+arithmetic, which runs identically on Triton 3.6 (GPU image) and the 3.9 CPU interpreter. Each scale byte is
+re-encoded once so that its decode is a single shift:
+    NVFP4: byte = "E5M3" of s * 2^5, i.e. float16 bits of (s * 2^5) >> 7. Exact for every E4M3 scale
+           (subnormals included: s * 2^5 lies in [2^-4, 14336] with at most 3 mantissa bits).
+    MXFP4: byte = e + 14, so that fp32 bits byte << 23 = 2^(e - 127) * 2^14 (needs e <= 240).
+
+The global scale is folded with the kernel's constant exponent offsets (`global_scale * 2^22`, see
+`w4a16_gemm._dequant_*`), so the in-kernel dequant reproduces `nvfp4_dequantize` bit for bit.
+
+All `prepare_*` functions are pure functions of the synced bytes: the engine calls them once per weight
+sync (after hashing the synced tensors) and keeps the result until the next sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+PACK_GROUP = 32          # elements per 16-byte permutation group
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+# Exponent offsets used by the in-kernel decode: codes decode to value * 2^-14 and E4M3 scales to
+# value * 2^-8 (both through float16 bit patterns), so the folded factor is 2^(14 + 8).
+NVFP4_GLOBAL_FOLD = 2.0 ** 22
+NVFP4_SCALE_SHIFT = 5     # prepared NVFP4 scale bytes hold s * 2^5
+MX_MAX_EXPONENT_BYTE = 240  # E8M0 byte e decodes as fp32 bits (e + 14) << 23; e + 14 must stay <= 254
+
+
+@dataclass
+class PreparedFP4Weight:
+    """FP4 weight(s) in the layout the Triton kernels read.
+
+    qweight:      uint8 [N, K/2] or [E, N, K/2] (E experts), nibbles permuted per 32-element group.
+    scales:       uint8 [N, K/block] or [E, N, K/block], re-encoded for a one-shift decode (module doc).
+    global_scale: float32 [1] or [E]: s_global * 2^22 (nvfp4); unused by mxfp4 (ones).
+    fmt:          "nvfp4" or "mxfp4".
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    fmt: str
+    n: int
+    k: int
+    num_experts: Optional[int] = None
+
+    @property
+    def block(self) -> int:
+        return NVFP4_BLOCK if self.fmt == "nvfp4" else MXFP4_BLOCK
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def nbytes(self) -> int:
+        """Bytes the kernels stream per full pass over the weight (codes + scales)."""
+        return self.qweight.numel() + self.scales.numel()
+
+    def to(self, device) -> "PreparedFP4Weight":
+        return PreparedFP4Weight(self.qweight.to(device), self.scales.to(device), self.global_scale.to(device),
+                                 self.fmt, self.n, self.k, self.num_experts)
+
+
+def permute_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint packing (2i low, 2i+1 high) -> kernel packing (see the module docstring)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed FP4 codes must be uint8, got {packed.dtype}")
+    k = packed.shape[-1] * 2
+    if k % PACK_GROUP:
+        raise ValueError(f"K = {k} is not a multiple of {PACK_GROUP}; the W4A16 kernels need K % 32 == 0 "
+                         "(pad the weight's input dimension)")
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k // PACK_GROUP, 2, 16)
+    a, b = codes[..., 0, :], codes[..., 1, :]
+    out = (b >> 3) | ((a & 7) << 1) | ((b & 7) << 4) | ((a >> 3) << 7)
+    return out.reshape(packed.shape).contiguous()
+
+
+def unpermute_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of permute_nibbles (kernel packing -> checkpoint packing)."""
+    k = qweight.shape[-1] * 2
+    g = qweight.reshape(*qweight.shape[:-1], k // PACK_GROUP, 16)
+    a = ((g >> 1) & 7) | (((g >> 7) & 1) << 3)
+    b = ((g >> 4) & 7) | ((g & 1) << 3)
+    codes = torch.stack([a, b], dim=-2).reshape(*qweight.shape[:-1], k)
+    return ((codes[..., 1::2] << 4) | codes[..., 0::2]).contiguous()
+
+
+def _check(packed: torch.Tensor, scales: torch.Tensor, block: int, where: str) -> None:
+    if packed.dim() not in (2, 3):
+        raise ValueError(f"{where}: packed must be [N, K/2] or [E, N, K/2], got {tuple(packed.shape)}")
+    k = packed.shape[-1] * 2
+    if tuple(scales.shape) != (*packed.shape[:-1], k // block):
+        raise ValueError(f"{where}: scales {tuple(scales.shape)} do not match packed {tuple(packed.shape)} "
+                         f"(expected {(*packed.shape[:-1], k // block)})")
+    if scales.device != packed.device:
+        raise ValueError(f"{where}: scales on {scales.device}, packed on {packed.device}; put both on one device")
+
+
+def encode_nvfp4_scales(scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn scales -> prepared bytes (float16 bits of s * 2^5, shifted right by 7)."""
+    if scales.dtype == torch.uint8:
+        scales = scales.view(torch.float8_e4m3fn)
+    s = scales.to(torch.float32)
+    if bool((s < 0).any()) or not bool(torch.isfinite(s).all()):
+        raise ValueError("NVFP4 block scales must be finite and non-negative")
+    bits = (s * 2.0 ** NVFP4_SCALE_SHIFT).to(torch.float16).view(torch.int16).to(torch.int32)
+    if bool((bits & 0x7F).any()):
+        raise AssertionError("E4M3 scale did not re-encode exactly")  # impossible for E4M3 inputs
+    return (bits >> 7).to(torch.uint8).contiguous()
+
+
+def decode_nvfp4_scales(prepared: torch.Tensor) -> torch.Tensor:
+    """Inverse of encode_nvfp4_scales: prepared bytes -> float8_e4m3fn scales."""
+    f = (prepared.to(torch.int32) << 7).to(torch.int16).view(torch.float16).to(torch.float32)
+    return (f / 2.0 ** NVFP4_SCALE_SHIFT).to(torch.float8_e4m3fn)
+
+
+def prepare_nvfp4_weight(packed: torch.Tensor, scales: torch.Tensor,
+                         global_scale) -> PreparedFP4Weight:
+    """NVFP4 (codec output: packed uint8 [N, K/2], float8_e4m3fn [N, K/16], fp32 scalar) -> kernel layout.
+
+    Also takes a stack of experts: packed [E, N, K/2], scales [E, N, K/16], global_scale [E] (or scalar).
+    """
+    _check(packed, scales, NVFP4_BLOCK, "prepare_nvfp4_weight")
+    if scales.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"prepare_nvfp4_weight: scales must be float8_e4m3fn, got {scales.dtype}")
+    experts = packed.shape[0] if packed.dim() == 3 else None
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device).reshape(-1)
+    if experts is not None and gs.numel() == 1:
+        gs = gs.expand(experts)
+    if gs.numel() != (experts or 1):
+        raise ValueError(f"prepare_nvfp4_weight: {gs.numel()} global scales for {experts or 1} weight(s)")
+    return PreparedFP4Weight(
+        qweight=permute_nibbles(packed),
+        scales=encode_nvfp4_scales(scales),
+        global_scale=(gs * NVFP4_GLOBAL_FOLD).contiguous(),
+        fmt="nvfp4", n=packed.shape[-2], k=packed.shape[-1] * 2, num_experts=experts)
+
+
+def prepare_mxfp4_weight(packed: torch.Tensor, scales: torch.Tensor) -> PreparedFP4Weight:
+    """MXFP4 (packed uint8 [N, K/2] or [E, N, K/2], E8M0 uint8 scales [.., K/32]) -> kernel layout."""
+    _check(packed, scales, MXFP4_BLOCK, "prepare_mxfp4_weight")
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"prepare_mxfp4_weight: E8M0 scales must be uint8, got {scales.dtype}")
+    if scales.numel() and int(scales.max()) > MX_MAX_EXPONENT_BYTE:
+        raise ValueError(f"prepare_mxfp4_weight: an E8M0 scale byte is {int(scales.max())} (2^"
+                         f"{int(scales.max()) - 127}); the kernels support bytes <= {MX_MAX_EXPONENT_BYTE}")
+    experts = packed.shape[0] if packed.dim() == 3 else None
+    return PreparedFP4Weight(
+        qweight=permute_nibbles(packed), scales=(scales.to(torch.int32) + 14).to(torch.uint8).contiguous(),
+        global_scale=torch.ones(experts or 1, dtype=torch.float32, device=packed.device),
+        fmt="mxfp4", n=packed.shape[-2], k=packed.shape[-1] * 2, num_experts=experts)
+
+
+def dequantize_prepared(w: PreparedFP4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Torch reference: the dense weight a prepared tensor stands for (through the codec's dequantizer)."""
+    from megatron_qrl.quant import mxfp4_dequantize, nvfp4_dequantize
+
+    packed = unpermute_nibbles(w.qweight)
+    if w.fmt == "mxfp4":
+        return mxfp4_dequantize(packed, (w.scales.to(torch.int32) - 14).to(torch.uint8), dtype)
+    scales = decode_nvfp4_scales(w.scales)
+    gs = w.global_scale / NVFP4_GLOBAL_FOLD
+    if w.num_experts is None:
+        return nvfp4_dequantize(packed, scales, gs.reshape(()), dtype)
+    return torch.stack([nvfp4_dequantize(packed[e], scales[e], gs[e], dtype) for e in range(w.num_experts)])

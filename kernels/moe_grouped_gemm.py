@@ -1,0 +1,318 @@
+"""Grouped MoE W4A16: all experts in one launch per projection, FP4 expert weights dequantized in registers.
+
+Pipeline for hidden states x [T, H], router top-k (ids [T, k], weights [T, k]) and prepared expert stacks
+w13 [E, 2F, H] (gate rows 0..F-1, up rows F..2F-1: `layouts.prepare_nvfp4_weight` on the stacked
+checkpoint tensors) and w2 [E, H, F]:
+
+1. `moe_align(topk_ids, E, block_m)`: sorts the T*k (token, slot) assignments by expert and pads each
+   expert's run to a multiple of block_m. Pure torch, no host synchronisation (CUDA-graph capturable);
+   the buffer size uses the bound  sum_e ceil(c_e / B) <= min(E, T*k) + T*k // B  blocks.
+2. `_moe_gemm_kernel` GATED: one program per (block of block_m sorted rows of one expert, tile of F):
+   gathers the tokens' rows of x, computes gate and up tiles against the expert's FP4 rows n and F + n
+   (two accumulators sharing the activation tiles), writes silu(gate) * up (bf16) in sorted order.
+3. `_moe_gemm_kernel` down: the same kernel over the intermediate rows (contiguous per block) and w2,
+   scaling each row by its router weight and scattering it to its (token, slot) row.
+4. The k slot rows of every token are summed (fixed order: deterministic).
+
+Blocks past the last expert's run exit at once. The decode path is "swapped" (weights are the MMA's M
+side, the block's tokens its N side), as in the dense kernel; see w4a16_gemm.py for the dequant math.
+Reference: `moe_w4a16_reference` (per-expert loop of dequantize + matmul).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .layouts import PreparedFP4Weight
+from .w4a16_gemm import FP16_ACC_FACTOR, INTERPRET, _cast_out, _dequant_tile, _mma, _prep_x
+
+
+# ----------------------------------------------------------------------------------------------------
+# Routing: sorted assignment ids + per-block expert
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class MoERouting:
+    sorted_ids: torch.Tensor     # int32 [num_blocks * block_m]: assignment index t*k + j, or n_assign (pad)
+    block_expert: torch.Tensor   # int32 [num_blocks]: expert of each block, -1 past the end
+    num_blocks: int              # grid bound (host-side, from shapes only)
+    block_m: int
+    n_tokens: int
+    top_k: int
+
+    @property
+    def n_assign(self) -> int:
+        return self.n_tokens * self.top_k
+
+
+def max_blocks(n_assign: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of sum_e ceil(count_e / block_m) over any routing of n_assign assignments."""
+    return min(num_experts, n_assign) + n_assign // block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> MoERouting:
+    """Sort (token, slot) assignments by expert, each expert's run padded to a multiple of block_m."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, k], got {tuple(topk_ids.shape)}")
+    t, k = topk_ids.shape
+    n = t * k
+    dev = topk_ids.device
+    nb = max_blocks(n, num_experts, block_m)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    end_padded = torch.cumsum(padded, 0)
+    start_padded = end_padded - padded
+    start_count = torch.cumsum(counts, 0) - counts
+    order = torch.sort(flat, stable=True).indices
+    sorted_expert = flat[order]
+    rank = torch.arange(n, device=dev) - start_count[sorted_expert]
+    dest = start_padded[sorted_expert] + rank
+    sorted_ids = torch.full((nb * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_start = torch.arange(nb, device=dev, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(end_padded, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
+    return MoERouting(sorted_ids, block_expert.to(torch.int32), nb, block_m, t, k)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["n_assign"])
+def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+                     N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
+                     acc_factor,
+                     TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
+                     OUT_SCALED: tl.constexpr):
+    """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
+    n < N = F, weight rows n (gate) and N + n (up).
+    not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
+    X_PRE: x is already the fp16 operand x * 2^-8; OUT_SCALED: store y * 2^-8 (fp16), the down
+    projection's ready-made operand."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    HALF: tl.constexpr = BLOCK_K // 2
+    SB: tl.constexpr = BLOCK_K // 32 if IS_MX else BLOCK_K // 16
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    valid = assign < n_assign
+    if GATED:
+        x_row = assign // TOP_K
+    else:
+        x_row = rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    kk = tl.arange(0, HALF)
+    k_lo = (kk // 16) * 32 + (kk % 16)
+    ks = tl.arange(0, SB)
+
+    e64 = expert.to(tl.int64)
+    w_base = w_ptr + e64 * stride_we
+    s_base = s_ptr + e64 * stride_se
+    gs = tl.load(gs_ptr + expert)
+    w_rows = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+    s_rows = s_base + offs_n.to(tl.int64)[:, None] * stride_sn + ks[None, :]
+    x_rows = x_ptr + x_row.to(tl.int64)[:, None] * stride_xm + k_lo[None, :]
+    x_mask = valid[:, None]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if GATED:
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        wu_rows = w_rows + N.to(tl.int64) * stride_wn
+        su_rows = s_rows + N.to(tl.int64) * stride_sn
+    for t in range(0, K // BLOCK_K):
+        k0 = t * BLOCK_K
+        x_lo = _prep_x(tl.load(x_rows + k0, mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
+        x_hi = _prep_x(tl.load(x_rows + (k0 + 16), mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
+        b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
+        sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
+        w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
+        acc = _mma(w_lo, x_lo, acc, True, DOT_F32)
+        acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
+        if GATED:
+            bu = tl.load(wu_rows + t * HALF, mask=n_mask[:, None], other=0)
+            sbu = tl.load(su_rows + t * SB, mask=n_mask[:, None], other=0)
+            u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
+            acc_u = _mma(u_lo, x_lo, acc_u, True, DOT_F32)
+            acc_u = _mma(u_hi, x_hi, acc_u, True, DOT_F32)
+
+    if FP16:
+        acc = acc * (gs * acc_factor)
+        if GATED:
+            acc_u = acc_u * (gs * acc_factor)
+    if GATED:
+        out = acc / (1.0 + tl.exp(-acc)) * acc_u                 # silu(gate) * up, fp32
+        if OUT_SCALED:
+            out = out * (1.0 / 256.0)
+        y_ptrs = y_ptr + rows.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
+    else:
+        tw = tl.load(topk_w_ptr + assign, mask=valid, other=0.0).to(tl.float32)
+        out = acc * tw[None, :]
+        y_ptrs = y_ptr + assign.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configs and API
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    fp16_dot: bool = True
+    asm: bool = True
+    x_pre: bool = False       # fp16 path: convert the input once (gate/up); the intermediate is then fp16
+
+
+def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool) -> MoEConfig:
+    """sm_90 choice (docs/PERF.md): block_m by tokens per expert; the fp16 input operand is converted by a
+    separate kernel (x_pre) only once there are enough assignments to pay for the extra launch; the down
+    projection uses 64-row weight tiles with 16-token blocks, 128-row tiles with larger blocks."""
+    per_expert = n_assign / max(1, num_experts)
+    bm = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
+    x_pre = bm == 16 and n_assign >= 64
+    bn = 64 if gated or bm == 16 else 128
+    return MoEConfig(bm, bn, _bk(k), 4, 3 if bm <= 32 else 2, x_pre=x_pre)
+
+
+def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
+    """x: bf16 activations, or (fp16 path) the fp16 operand x * 2^-8; y: bf16, or fp16 for a scaled
+    intermediate (gate/up with x_pre)."""
+    n = w.n // 2 if gated else w.n
+    k = w.k
+    if k % cfg.block_k:
+        raise ValueError(f"MoE config block_k={cfg.block_k} does not divide K={k}")
+    is_mx = w.fmt == "mxfp4"
+    fp16 = cfg.fp16_dot and not is_mx
+    grid = (routing.num_blocks, triton.cdiv(n, cfg.block_n))
+    _moe_gemm_kernel[grid](
+        x, w.qweight, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,
+        topk_w if topk_w is not None else w.global_scale,
+        n, k, routing.n_assign, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
+        w.scales.stride(1), x.stride(0), y.stride(0), FP16_ACC_FACTOR,
+        TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
+        X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def moe_gate_up(x: torch.Tensor, w13: PreparedFP4Weight, routing: MoERouting,
+                config: Optional[MoEConfig] = None) -> torch.Tensor:
+    """silu(x W1^T) * (x W3^T) per assignment, rows in sorted order: [num_blocks * block_m, F], bf16, or with
+    cfg.x_pre (fp16 path) fp16 holding the value * 2^-8 (what moe_down consumes directly)."""
+    f = w13.n // 2
+    cfg = config or heuristic_moe_config(routing.n_assign, w13.num_experts, f, w13.k, True)
+    if cfg.block_m != routing.block_m:
+        raise ValueError(f"config block_m={cfg.block_m} differs from the routing's {routing.block_m}")
+    pre = cfg.x_pre and cfg.fp16_dot and w13.fmt == "nvfp4"
+    if pre and x.dtype != torch.float16:
+        x = to_fp16_operand(x)
+    h = torch.empty((routing.sorted_ids.numel(), f), device=x.device,
+                    dtype=torch.float16 if pre else torch.bfloat16)
+    return _launch(x, w13, h, routing, None, True, cfg)
+
+
+def to_fp16_operand(x: torch.Tensor) -> torch.Tensor:
+    """float16(x * 2^-8): the fp16 path's activation operand (one small kernel)."""
+    from .w4a16_gemm import _x_to_f16_kernel
+
+    x = x.contiguous()
+    out = torch.empty(x.shape, device=x.device, dtype=torch.float16)
+    _x_to_f16_kernel[(triton.cdiv(x.numel(), 2048),)](x, out, x.numel(), BLOCK=2048, num_warps=4)
+    return out
+
+
+def moe_down(h: torch.Tensor, w2: PreparedFP4Weight, routing: MoERouting, topk_weights: torch.Tensor,
+             config: Optional[MoEConfig] = None) -> torch.Tensor:
+    """Down projection of the sorted intermediate rows (moe_gate_up's output), times the router weight:
+    bf16 [T * k, H]."""
+    cfg = config or heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False)
+    if cfg.block_m != routing.block_m:
+        raise ValueError(f"config block_m={cfg.block_m} differs from the routing's {routing.block_m}")
+    y = torch.empty((routing.n_assign, w2.n), device=h.device, dtype=torch.bfloat16)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    return _launch(h, w2, y, routing, tw, False, cfg)
+
+
+def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, topk_ids: Optional[torch.Tensor],
+              topk_weights: torch.Tensor, *, routing: Optional[MoERouting] = None,
+              gate_up_config: Optional[MoEConfig] = None, down_config: Optional[MoEConfig] = None
+              ) -> torch.Tensor:
+    """Routed-expert SwiGLU MLP: sum_j topk_w[t, j] * W2[e] (silu(W1[e] x_t) * W3[e] x_t), e = topk_ids[t, j].
+
+    x [T, H] bf16; w13 prepared [E, 2F, H] (gate rows first); w2 prepared [E, H, F]. Returns [T, H] bf16.
+    Pass `routing` (from moe_align) to reuse one sort across layers that share the routing.
+    """
+    if w13.num_experts is None or w2.num_experts is None:
+        raise ValueError("moe_w4a16 needs expert stacks ([E, N, K/2]) from prepare_*_weight")
+    if x.shape[-1] != w13.k or w2.k != w13.n // 2 or w2.n != w13.k:
+        raise ValueError(f"shapes do not chain: x {tuple(x.shape)}, w13 [E, {w13.n}, {w13.k}], "
+                         f"w2 [E, {w2.n}, {w2.k}]")
+    x = x.to(torch.bfloat16)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if routing is None and topk_ids is None:
+        raise ValueError("pass topk_ids or a routing from moe_align")
+    t, k = (routing.n_tokens, routing.top_k) if routing is not None else topk_ids.shape
+    if routing is None:
+        bm = (gate_up_config.block_m if gate_up_config else
+              heuristic_moe_config(t * k, w13.num_experts, w13.n // 2, w13.k, True).block_m)
+        routing = moe_align(topk_ids, w13.num_experts, bm)
+    h = moe_gate_up(x, w13, routing, gate_up_config)
+    if down_config is None:
+        if gate_up_config is None:
+            down_config = heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False)
+        else:
+            g = gate_up_config
+            down_config = MoEConfig(routing.block_m, 128, _bk(w2.k), 4, 3, g.fp16_dot, g.asm, g.x_pre)
+    if h.dtype == torch.float16 and not (down_config.fp16_dot and w2.fmt == "nvfp4"):
+        h = (h.float() * 256.0).to(torch.bfloat16)
+    y = moe_down(h, w2, routing, topk_weights, down_config)
+    return y.view(t, k, -1).sum(dim=1)
+
+
+def _bk(k: int) -> int:
+    bk = 256
+    while bk > 32 and k % bk:
+        bk //= 2
+    return bk
+
+
+def moe_w4a16_reference(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight,
+                        topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        dequantized: Optional[tuple] = None) -> torch.Tensor:
+    """Torch reference: per-expert loop of dequantize (codec) + fp32 matmuls; bf16 intermediate like the
+    kernel. `dequantized` = (w13, w2) float32 stacks, to skip the dequantization on repeated calls."""
+    from .layouts import dequantize_prepared
+
+    if dequantized is None:
+        dequantized = (dequantize_prepared(w13, torch.float32), dequantize_prepared(w2, torch.float32))
+    w13d, w2d = dequantized
+    f = w13.n // 2
+    t, k = topk_ids.shape
+    out = torch.zeros(t, w2.n, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        g = xf[tok] @ w13d[e, :f].t()
+        u = xf[tok] @ w13d[e, f:].t()
+        h = (torch.nn.functional.silu(g) * u).to(torch.bfloat16).float()
+        y = (h @ w2d[e].t()) * topk_weights[tok, slot].float()[:, None]
+        out.index_add_(0, tok, y)
+    return out.to(torch.bfloat16)

@@ -1,0 +1,235 @@
+"""W4A16 dense and grouped-MoE GEMM kernels against their torch references (dequantize, then matmul).
+
+On CPU the kernels run in Triton's interpreter: this module sets TRITON_INTERPRET=1 before anything
+imports the kernels (Triton reads it when a kernel is decorated, so the env must be set before
+`megatron_qrl.kernels.*` is first imported in the process). On a GPU machine run it with
+QRL_KERNEL_TESTS_DEVICE=cuda: then the real kernels (inline PTX decode, wgmma) run on the device.
+
+Tolerance: relative Frobenius error against an fp32 reference over the exactly dequantized weights. The
+kernels feed exact weights to the tensor cores (fp16 path) or bf16-rounded ones (bf16 path, like the
+codec's bf16 dequant), accumulate in fp32 and round the output to bf16, so the error is ~2^-8 (bf16
+output rounding, ~4e-3); we allow 1e-2 for the dense GEMM and 2e-2 for the MoE pipeline (two bf16 roundings
+of intermediates: the SwiGLU activation and the per-slot partial outputs). Each test draws fresh inputs.
+"""
+import os
+
+DEVICE = "cuda" if os.environ.get("QRL_KERNEL_TESTS_DEVICE") == "cuda" else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from megatron_qrl.kernels.layouts import (decode_nvfp4_scales, dequantize_prepared,  # noqa: E402
+                                          encode_nvfp4_scales, permute_nibbles, prepare_mxfp4_weight,
+                                          prepare_nvfp4_weight, unpermute_nibbles)
+from megatron_qrl.kernels.moe_grouped_gemm import (MoEConfig, moe_align, moe_w4a16,  # noqa: E402
+                                                   moe_w4a16_reference)
+from megatron_qrl.kernels.w4a16_gemm import (GemmConfig, heuristic_config, w4a16_gemm,  # noqa: E402
+                                             w4a16_gemm_reference)
+from megatron_qrl.quant import mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
+
+DENSE_TOL = 1e-2
+MOE_TOL = 2e-2
+
+
+def _seed():
+    return int.from_bytes(os.urandom(4), "little")  # fresh inputs for every test (printed on failure)
+
+
+def _weight(fmt, n, k, gen, scale=0.05):
+    w = torch.randn(n, k, generator=gen) * scale
+    w[0, :16] *= 40  # an outlier block: large scale next to small ones
+    w = w.to(DEVICE)
+    if fmt == "nvfp4":
+        return prepare_nvfp4_weight(*nvfp4_quantize(w))
+    return prepare_mxfp4_weight(*mxfp4_quantize(w))
+
+
+def _rel(y, ref):
+    assert torch.isfinite(y).all(), "output holds NaN/Inf (unwritten or overflowed elements)"
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _experts(fmt, e, n, k, gen):
+    w = (torch.randn(e, n, k, generator=gen) * 0.05).to(DEVICE)
+    if fmt == "nvfp4":
+        q = [nvfp4_quantize(w[i]) for i in range(e)]
+        return prepare_nvfp4_weight(torch.stack([a[0] for a in q]), torch.stack([a[1] for a in q]),
+                                    torch.stack([a[2] for a in q]))
+    q = [mxfp4_quantize(w[i]) for i in range(e)]
+    return prepare_mxfp4_weight(torch.stack([a[0] for a in q]), torch.stack([a[1] for a in q]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------------
+def test_layout_roundtrip_and_scale_reencoding_exact():
+    gen = torch.Generator().manual_seed(_seed())
+    packed = torch.randint(0, 256, (7, 96), dtype=torch.uint8, generator=gen)
+    assert torch.equal(unpermute_nibbles(permute_nibbles(packed)), packed)
+    # every finite non-negative E4M3 value re-encodes exactly into the one-shift byte and back
+    all_e4m3 = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(decode_nvfp4_scales(encode_nvfp4_scales(all_e4m3)).view(torch.uint8),
+                       all_e4m3.view(torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        permute_nibbles(torch.zeros(2, 24, dtype=torch.uint8))
+
+
+def test_prepared_weight_dequantizes_like_the_codec():
+    gen = torch.Generator().manual_seed(_seed())
+    w = torch.randn(32, 128, generator=gen)
+    p, s, g = nvfp4_quantize(w)
+    prep = prepare_nvfp4_weight(p, s, g)
+    assert torch.equal(dequantize_prepared(prep, torch.float32), nvfp4_dequantize(p, s, g, torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense W4A16
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 5, 32])
+@pytest.mark.parametrize("n,k", [(64, 128), (128, 256)])
+def test_dense_nvfp4_matches_reference(m, n, k):
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = w4a16_gemm_reference(x, w)
+    for fp16 in (True, False):
+        cfg = heuristic_config("nvfp4", m, n, k)
+        cfg = GemmConfig(**{**cfg.__dict__, "fp16_dot": fp16, "block_k": min(cfg.block_k, k)})
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poison
+        y = w4a16_gemm(x, w, out=out, config=cfg)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert _rel(y, ref) < DENSE_TOL, (seed, cfg.short(), _rel(y, ref))
+
+
+@pytest.mark.parametrize("cfg", [
+    GemmConfig(16, 64, 64, split_k=2),                              # fused last-CTA split-K reduction
+    GemmConfig(16, 64, 64, split_k=4, fused_reduce=False),          # two-kernel split-K reduction
+    GemmConfig(32, 64, 128, swap=False, x_pre=True),                # large-M orientation, x converted once
+    GemmConfig(64, 64, 64, swap=False, split_k=2, fp16_dot=False),  # bf16 path, non-swapped, split-K
+], ids=lambda c: c.short())
+def test_dense_config_variants(cfg):
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k = 40, 96, 256  # N not a multiple of BLOCK_N, M not a multiple of BLOCK_M: masks exercised
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(2, m // 2, k, generator=gen).to(torch.bfloat16).to(DEVICE)  # 3-D input
+    y = w4a16_gemm(x, w, config=cfg)
+    assert y.shape == (2, m // 2, n)
+    assert _rel(y, w4a16_gemm_reference(x, w)) < DENSE_TOL, (seed, cfg.short())
+    y2 = w4a16_gemm(x, w, config=cfg)
+    assert torch.equal(y, y2), "split-K reduction must be deterministic"
+
+
+def test_dense_identity_reproduces_dequantized_weight():
+    """x = I: y = W^T column by column, so the in-kernel dequant is checked element by element."""
+    gen = torch.Generator().manual_seed(_seed())
+    k, n = 64, 64
+    w = _weight("nvfp4", n, k, gen, scale=0.3)
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)
+    wd = dequantize_prepared(w, torch.float32)  # exact fp32 values
+    y16 = w4a16_gemm(eye, w, config=GemmConfig(64, 64, 64, fp16_dot=True))
+    ybf = w4a16_gemm(eye, w, config=GemmConfig(64, 64, 64, fp16_dot=False))
+    # bf16 path: bit-identical to the codec's bf16 dequant (same fp32 operation order). fp16 path: exact
+    # code * s_block times s_global, one rounding in another order than the codec's code * (s_block *
+    # s_global): within one bf16 ulp.
+    ref = wd.t().to(torch.bfloat16)
+    assert torch.equal(ybf, ref)
+    assert torch.allclose(y16.float(), ref.float(), rtol=2.0 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_dense_mxfp4_matches_reference(m):
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 64, 256
+    w = _weight("mxfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    y = w4a16_gemm(x, w)
+    assert _rel(y, w4a16_gemm_reference(x, w)) < DENSE_TOL, seed
+
+
+def test_dense_rejects_bad_inputs():
+    gen = torch.Generator().manual_seed(_seed())
+    w = _weight("nvfp4", 64, 128, gen)
+    with pytest.raises(ValueError, match="K = 96"):
+        w4a16_gemm(torch.zeros(1, 96, dtype=torch.bfloat16, device=DEVICE), w)
+
+
+# ------------------------------------------------------------------------------------------------
+# Grouped MoE
+# ------------------------------------------------------------------------------------------------
+def test_moe_align_sorts_and_pads_by_expert():
+    gen = torch.Generator().manual_seed(_seed())
+    e, t, k, bm = 5, 9, 2, 4
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(DEVICE)
+    r = moe_align(ids, e, bm)
+    sid = r.sorted_ids.cpu()
+    be = r.block_expert.cpu()
+    flat = ids.reshape(-1).cpu()
+    real = sid[sid < t * k]
+    assert sorted(real.tolist()) == list(range(t * k))           # every assignment exactly once
+    for b in range(r.num_blocks):
+        rows = sid[b * bm:(b + 1) * bm]
+        rows = rows[rows < t * k]
+        if be[b] < 0:
+            assert rows.numel() == 0
+        else:
+            assert (flat[rows] == be[b]).all()                      # blocks hold one expert's rows
+    assert r.num_blocks >= int(((torch.bincount(flat, minlength=e) + bm - 1) // bm).sum())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("t", [1, 5, 32])
+def test_moe_matches_per_expert_reference(fmt, t):
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    e, h, f, k = 4, 128, 64, 2
+    w13 = _experts(fmt, e, 2 * f, h, gen)
+    w2 = _experts(fmt, e, h, f, gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
+    probs = torch.softmax(torch.randn(t, e, generator=gen), -1)
+    tw, ids = torch.topk(probs, k, dim=-1)
+    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    y = moe_w4a16(x, w13, w2, ids, tw)
+    assert y.shape == (t, h) and y.dtype == torch.bfloat16
+    assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
+
+
+def test_moe_block_m_32_and_bf16_path():
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    e, h, f, k, t = 4, 64, 64, 2, 20
+    w13 = _experts("nvfp4", e, 2 * f, h, gen)
+    w2 = _experts("nvfp4", e, h, f, gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
+    tw, ids = torch.topk(torch.softmax(torch.randn(t, e, generator=gen), -1), k, dim=-1)
+    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    cfg = MoEConfig(block_m=32, block_n=64, block_k=64, fp16_dot=False)
+    y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=cfg, down_config=cfg)
+    assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode attention over a quantized KV cache
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_decode_attention_quantized_kv_matches_reference(fmt):
+    from megatron_qrl.kernels.fp4_kv_decode import (decode_attention, decode_attention_reference,
+                                                    quantize_kv)
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, hkv, s, d = 3, 8, 2, 80, 64
+    q = torch.randn(b, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k = quantize_kv((torch.randn(b, hkv, s, d, generator=gen) * 2).to(DEVICE), fmt)
+    v = quantize_kv(torch.randn(b, hkv, s, d, generator=gen).to(DEVICE), fmt)
+    lens = torch.tensor([80, 33, 1], device=DEVICE)  # ragged, one single-token sequence, empty splits
+    o = decode_attention(q, k, v, lens, num_splits=4, block_s=16)
+    assert o.shape == (b, hq, d) and o.dtype == torch.bfloat16
+    # P is rounded to bf16 for the P.V dot (like flash-decoding kernels): ~2^-8 relative
+    assert _rel(o, decode_attention_reference(q, k, v, lens)) < 2e-2, seed

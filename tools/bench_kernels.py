@@ -1,0 +1,574 @@
+#!/usr/bin/env python3
+"""W4A16 kernel benchmark on one GPU (H200): FP4 dense and grouped-MoE GEMMs against bf16 in one run.
+
+For every shape it first checks correctness on the GPU (fresh random weights quantized with the codec,
+fresh activations, rel. error vs the dequantize-then-matmul reference), then times:
+  dense:  torch.matmul(x, W_bf16.T) (cuBLAS)  vs  w4a16_gemm(x, prepared FP4 W)
+  MoE:    bf16 grouped baseline (torch._grouped_mm if present, else a per-expert loop)  vs  moe_w4a16
+Each timed sample is a CUDA graph that runs `--copies` layers with distinct weights (more bytes than the
+L2 holds, so weights stream from HBM as in a real decode step), replayed under triton.testing.do_bench;
+the median over replays divided by the layer count is the per-layer time. Achieved weight bandwidth is
+compared with a measured device-to-device copy (bytes read + written).
+
+`--configs all` times every candidate kernel config per shape (what QRL_W4A16_AUTOTUNE picks from) and
+reports the best and the sm_90 heuristic one; kernels are compiled in parallel worker processes first
+(Triton's on-disk cache then serves the timed process).
+
+  python tools/bench_kernels.py --out results/            # table (markdown) + JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DENSE_SHAPES = [(4096, 14336), (7168, 4096)]       # (K, N)
+MOE = dict(hidden=2048, ffn=768, experts=128, top_k=8)
+MS = [1, 8, 32, 128, 512]
+TARGETS = {"dense_small_m": 3.0, "dense_m128": 1.0, "moe_small_t": 2.5}
+L2_BYTES = 60e6  # H200 L2 is 60 MB (read from the device at start)
+DEV = "cuda"   # --cpu-smoke: "cpu" + the Triton interpreter + tiny shapes, to test this script without a GPU
+
+
+def _imports():
+    from megatron_qrl.kernels import layouts, moe_grouped_gemm as moe, w4a16_gemm as dense
+    from megatron_qrl.quant import mxfp4_quantize, nvfp4_quantize
+    return layouts, dense, moe, nvfp4_quantize, mxfp4_quantize
+
+
+# ----------------------------------------------------------------------------------------------------
+# timing helpers
+# ----------------------------------------------------------------------------------------------------
+def graph_time_us(fns, reps_ms=200):
+    """Median time of one call, from a CUDA graph that runs all fns (one per layer copy) back to back."""
+    import triton.testing as tt
+
+    if DEV == "cpu":
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t0) * 1e6 / len(fns)
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    ms = tt.do_bench(g.replay, warmup=25, rep=reps_ms, return_mode="median")
+    return ms * 1e3 / len(fns)
+
+
+def copy_bandwidth_gbs():
+    import triton.testing as tt
+
+    if DEV == "cpu":
+        return 1.0
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=DEV).random_(0, 255)
+    b = torch.empty_like(a)
+    ms = tt.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def safe(log, what, fn, default=None):
+    """Run fn(); on an exception log it and return default (one failing case must not end the run)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        log(f"  ERROR {what}: {type(e).__name__}: {str(e)[:300]}")
+        return default
+
+
+def rel_err(y, ref):
+    y, ref = y.float(), ref.float()
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------------
+# cases
+# ----------------------------------------------------------------------------------------------------
+def dense_configs(dense, fmt, m, n, k, mode):
+    if mode == "heuristic":
+        return [dense.heuristic_config(fmt, m, n, k)]
+    return dense.candidate_configs(fmt, m, n, k)
+
+
+def moe_configs(moe, t, mode):
+    n_assign = t * MOE["top_k"]
+    gu = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["ffn"], MOE["hidden"], True)
+    dn = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["hidden"], MOE["ffn"], False)
+    out = [(gu, dn)]
+    if mode != "heuristic":
+        alt = not gu.x_pre
+        out.append((replace(gu, x_pre=alt), replace(dn, x_pre=alt, block_n=64 if alt else 128)))
+        out.append((gu, replace(dn, block_n=256 // dn.block_n * 32 if dn.block_n != 128 else 64)))
+        for xp in (gu.x_pre, not gu.x_pre):
+            out.append((replace(gu, block_n=128, block_k=min(128, gu.block_k), num_warps=8, num_stages=4, x_pre=xp),
+                        replace(dn, block_n=128, block_k=min(128, dn.block_k), num_warps=8, num_stages=4,
+                                x_pre=xp)))
+    return out
+
+
+def plan(args):
+    """All (kind, key, config) cases, for parallel precompilation."""
+    _, dense, moe, *_ = _imports()
+    cases = []
+    for fmt in args.formats:
+        for k, n in DENSE_SHAPES:
+            for m in (args.ms if fmt == "nvfp4" else [mm for mm in args.ms if mm in (1, 128)]):
+                for cfg in dense_configs(dense, fmt, m, n, k, args.configs):
+                    cases.append(("dense", fmt, m, n, k, cfg))
+    if not args.skip_moe:
+        for t in args.moe_tokens:
+            for gu, dn in moe_configs(moe, t, args.configs):
+                cases.append(("moe", "nvfp4", t, gu, dn))
+    return cases
+
+
+def _compile_case(case):
+    """Worker: run one case once on small random data so Triton compiles (and caches) its kernels."""
+    try:
+        layouts, dense, moe, *_ = _imports()
+        if DEV == "cuda":
+            torch.cuda.init()
+        if case[0] == "dense":
+            _, fmt, m, n, k, cfg = case
+            w = _random_prepared(layouts, fmt, None, n, k)
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            dense.w4a16_gemm(x, w, config=cfg)
+        else:
+            _, fmt, t, gu, dn = case
+            w13 = _random_prepared(layouts, fmt, MOE["experts"], 2 * MOE["ffn"], MOE["hidden"])
+            w2 = _random_prepared(layouts, fmt, MOE["experts"], MOE["hidden"], MOE["ffn"])
+            x = torch.randn(t, MOE["hidden"], device=DEV, dtype=torch.bfloat16)
+            ids, tw = _routing(t)
+            moe.moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        return None
+    except Exception as e:  # reported, the timed run skips nothing: it recompiles and fails loudly there
+        return f"{case[:3]}: {type(e).__name__}: {e}"
+
+
+def precompile(cases, workers):
+    if workers <= 1 or not cases:
+        return []
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(workers, len(cases))) as pool:
+        errs = [e for e in pool.map(_compile_case, cases, chunksize=1) if e]
+    print(f"precompiled {len(cases)} cases with {workers} workers in {time.time() - t0:.1f}s "
+          f"({len(errs)} errors)", flush=True)
+    for e in errs:
+        print("  precompile error:", e, flush=True)
+    return errs
+
+
+def _random_prepared(layouts, fmt, experts, n, k):
+    """A prepared weight of random codes and realistic scales (timing copies; values irrelevant)."""
+    lead = (experts,) if experts else ()
+    packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=DEV)
+    if fmt == "nvfp4":
+        s = (torch.rand(*lead, n, k // 16, device=DEV) * 300 + 8).to(torch.float8_e4m3fn)
+        g = torch.full(lead or (), 1e-4, device=DEV)
+        return layouts.prepare_nvfp4_weight(packed, s, g)
+    s = torch.randint(110, 125, (*lead, n, k // 32), dtype=torch.uint8, device=DEV)
+    return layouts.prepare_mxfp4_weight(packed, s)
+
+
+def _routing(t, gen=None):
+    logits = torch.randn(t, MOE["experts"], device=DEV, generator=gen)
+    tw, ids = torch.topk(torch.softmax(logits, -1), MOE["top_k"], dim=-1)
+    return ids, tw
+
+
+def _quantized(fmt, nvfp4_quantize, mxfp4_quantize, layouts, shape, gen):
+    w = torch.randn(*shape, device=DEV, generator=gen) * 0.02
+    if len(shape) == 2:
+        return (layouts.prepare_nvfp4_weight(*nvfp4_quantize(w)) if fmt == "nvfp4"
+                else layouts.prepare_mxfp4_weight(*mxfp4_quantize(w)))
+    q = [nvfp4_quantize(w[e]) if fmt == "nvfp4" else mxfp4_quantize(w[e]) for e in range(shape[0])]
+    if fmt == "nvfp4":
+        return layouts.prepare_nvfp4_weight(torch.stack([a[0] for a in q]), torch.stack([a[1] for a in q]),
+                                            torch.stack([a[2] for a in q]))
+    return layouts.prepare_mxfp4_weight(torch.stack([a[0] for a in q]), torch.stack([a[1] for a in q]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# dense
+# ----------------------------------------------------------------------------------------------------
+def bench_dense(args, copy_bw, log):
+    layouts, dense, moe, nvfp4_quantize, mxfp4_quantize = _imports()
+    rows = []
+    for fmt in args.formats:
+        for k, n in DENSE_SHAPES:
+            gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+            wq = _quantized(fmt, nvfp4_quantize, mxfp4_quantize, layouts, (n, k), gen)
+            fp4_bytes = wq.nbytes()
+            copies = min(64, max(args.copies, math.ceil(3 * L2_BYTES / fp4_bytes)))
+            w_fp4 = [_random_prepared(layouts, fmt, None, n, k) for _ in range(copies - 1)] + [wq]
+            w_bf16 = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+            wd = layouts.dequantize_prepared(wq, torch.float32)
+            ms = args.ms if fmt == "nvfp4" else [m for m in args.ms if m in (1, 128)]
+            for m in ms:
+                x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+                ref = (x.float() @ wd.t())
+                t_bf16 = safe(log, f"bf16 matmul M={m}", lambda: graph_time_us(
+                    [lambda w=w: torch.matmul(x, w.t()) for w in w_bf16], args.rep_ms), float("nan"))
+                results = []
+                for cfg in dense_configs(dense, fmt, m, n, k, args.configs):
+                    xx = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)  # fresh inputs
+                    err = safe(log, cfg.short(), lambda: max(
+                        rel_err(dense.w4a16_gemm(xx, wq, config=cfg), xx.float() @ wd.t()),
+                        rel_err(dense.w4a16_gemm(x, wq, config=cfg), ref)), float("inf"))
+                    err0 = err
+                    if max(err, err0) > 1e-2:
+                        results.append(dict(config=cfg.short(), err=max(err, err0), us=None))
+                        log(f"  FAIL {fmt} K={k} N={n} M={m} {cfg.short()} rel_err={max(err, err0):.3e}")
+                        continue
+                    us = safe(log, f"time {cfg.short()}", lambda: graph_time_us(
+                        [lambda w=w: dense.w4a16_gemm(x, w, config=cfg) for w in w_fp4], args.rep_ms))
+                    if us is None:
+                        results.append(dict(config=cfg.short(), err=err, us=None))
+                        continue
+                    results.append(dict(config=cfg.short(), cfg=asdict(cfg), err=max(err, err0), us=us))
+                ok = [r for r in results if r["us"] is not None]
+                best = min(ok, key=lambda r: r["us"]) if ok else None
+                heur = dense.heuristic_config(fmt, m, n, k).short()
+                heur_r = next((r for r in ok if r["config"] == heur), None)
+                row = dict(kind="dense", fmt=fmt, K=k, N=n, M=m, copies=copies, bf16_us=t_bf16,
+                           fp4_us=best["us"] if best else None, best=best, heuristic=heur_r, all=results,
+                           fp4_weight_bytes=fp4_bytes, bf16_weight_bytes=2 * n * k, copy_gbs=copy_bw)
+                if best:
+                    row["speedup"] = t_bf16 / best["us"]
+                    row["fp4_gbs"] = fp4_bytes / (best["us"] * 1e-6) / 1e9
+                    row["bf16_gbs"] = 2 * n * k / (t_bf16 * 1e-6) / 1e9
+                rows.append(row)
+                log(f"dense {fmt} K={k} N={n} M={m}: bf16 {t_bf16:.1f}us  fp4 "
+                    f"{best['us'] if best else float('nan'):.1f}us ({best['config'] if best else '-'}) "
+                    f"x{row.get('speedup', float('nan')):.2f}  fp4 {row.get('fp4_gbs', 0):.0f} GB/s  "
+                    f"err {best['err'] if best else float('nan'):.1e}", row)
+            w_fp4 = w_bf16 = None  # free before the next shape
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# MoE
+# ----------------------------------------------------------------------------------------------------
+def _grouped_baseline(x, w13, w2, ids, tw, use_grouped_mm):
+    """bf16 routed-expert SwiGLU MLP: sort by expert, grouped GEMMs (torch._grouped_mm) or a loop."""
+    e, f2, h = w13.shape
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    tok = order // k
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    wsort = tw.reshape(-1)[order].float()
+    return dict(order=order, tok=tok, offs=offs, wsort=wsort, counts=counts, grouped=use_grouped_mm)
+
+
+def _grouped_forward(x, w13, w2, r):
+    f = w13.shape[1] // 2
+    xs = x.index_select(0, r["tok"])
+    if r["grouped"]:
+        g = torch._grouped_mm(xs, w13.transpose(1, 2), offs=r["offs"])
+        hmid = torch.nn.functional.silu(g[:, :f]) * g[:, f:]
+        y = torch._grouped_mm(hmid, w2.transpose(1, 2), offs=r["offs"])
+    else:
+        ys, start = [], 0
+        for e, c in enumerate(r["counts"].tolist()):
+            if c:
+                g = xs[start:start + c] @ w13[e].t()
+                ys.append((torch.nn.functional.silu(g[:, :f]) * g[:, f:]) @ w2[e].t())
+            start += c
+        y = torch.cat(ys)
+    y = (y.float() * r["wsort"][:, None]).to(x.dtype)
+    out = torch.zeros(x.shape[0], w2.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, r["tok"], y.float())
+    return out.to(x.dtype)
+
+
+def bench_moe(args, copy_bw, log):
+    layouts, dense, moe, nvfp4_quantize, mxfp4_quantize = _imports()
+    e, h, f, k = MOE["experts"], MOE["hidden"], MOE["ffn"], MOE["top_k"]
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    w13q = _quantized("nvfp4", nvfp4_quantize, mxfp4_quantize, layouts, (e, 2 * f, h), gen)
+    w2q = _quantized("nvfp4", nvfp4_quantize, mxfp4_quantize, layouts, (e, h, f), gen)
+    copies = args.copies
+    fp4 = [(_random_prepared(layouts, "nvfp4", e, 2 * f, h), _random_prepared(layouts, "nvfp4", e, h, f))
+           for _ in range(copies - 1)] + [(w13q, w2q)]
+    bf = [(torch.randn(e, 2 * f, h, device=DEV, dtype=torch.bfloat16),
+           torch.randn(e, h, f, device=DEV, dtype=torch.bfloat16)) for _ in range(copies)]
+    deq = (layouts.dequantize_prepared(w13q, torch.float32), layouts.dequantize_prepared(w2q, torch.float32))
+    w13d, w2d = deq[0].to(torch.bfloat16), deq[1].to(torch.bfloat16)
+    per_expert_fp4 = (w13q.nbytes() + w2q.nbytes()) / e
+    per_expert_bf16 = 2 * (2 * f * h + h * f)
+    use_gmm = hasattr(torch, "_grouped_mm")
+    rows = []
+    for t in args.moe_tokens:
+        x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16, generator=gen)
+        routs = [_routing(t, gen) for _ in range(copies)]
+        ids, tw = routs[-1]
+        ref = moe.moe_w4a16_reference(x, w13q, w2q, ids, tw, deq)
+        base = None
+        if use_gmm:
+            try:
+                rb = _grouped_baseline(x, w13d, w2d, ids, tw, True)
+                base_err = rel_err(_grouped_forward(x, w13d, w2d, rb), ref)
+                if base_err > 3e-2:
+                    raise RuntimeError(f"grouped_mm baseline rel_err {base_err:.2e}")
+                base = "torch._grouped_mm"
+            except Exception as ex:  # noqa: BLE001
+                log(f"  torch._grouped_mm unusable ({type(ex).__name__}: {ex}); per-expert loop baseline")
+                use_gmm = False
+        if base is None:
+            base = "per-expert loop (not graph-capturable; timed eagerly)"
+        rbs = [_grouped_baseline(x, w[0], w[1], i, ww, use_gmm) for w, (i, ww) in zip(bf, routs)]
+        fns_b = [lambda w=w, r=r: _grouped_forward(x, w[0], w[1], r) for w, r in zip(bf, rbs)]
+        if use_gmm:
+            t_bf16 = safe(log, "bf16 grouped baseline", lambda: graph_time_us(fns_b, args.rep_ms), float("nan"))
+        else:
+            import triton.testing as tt
+            t_bf16 = tt.do_bench(lambda: [fn() for fn in fns_b], return_mode="median") * 1e3 / copies
+        touched = [int(torch.unique(i).numel()) for i, _ in routs]
+        results = []
+        for gu, dn in moe_configs(moe, t, args.configs):
+            xx = torch.randn(t, h, device=DEV, dtype=torch.bfloat16, generator=gen)
+            i2, w2r = _routing(t, gen)
+            err = safe(log, f"moe T={t} check", lambda: max(
+                rel_err(moe.moe_w4a16(xx, w13q, w2q, i2, w2r, gate_up_config=gu, down_config=dn),
+                        moe.moe_w4a16_reference(xx, w13q, w2q, i2, w2r, deq)),
+                rel_err(moe.moe_w4a16(x, w13q, w2q, ids, tw, gate_up_config=gu, down_config=dn), ref)),
+                float("inf"))
+            name = (f"gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}s{gu.num_stages}"
+                    f"{'/xpre' if gu.x_pre else ''} dn {dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}")
+            if err > 2e-2:
+                results.append(dict(config=name, err=err, us=None))
+                log(f"  FAIL moe T={t} {name} rel_err={err:.3e}")
+                continue
+            ralign = [moe.moe_align(i, e, gu.block_m) for i, _ in routs]
+            us = safe(log, f"time moe T={t} {name}", lambda: graph_time_us(
+                [lambda w=w, r=r, ww=ww: moe.moe_w4a16(x, w[0], w[1], None, ww[1], routing=r, gate_up_config=gu,
+                                                       down_config=dn)
+                 for w, r, ww in zip(fp4, ralign, routs)], args.rep_ms))
+            results.append(dict(config=name, err=err, us=us))
+        align_us = safe(log, "moe_align timing", lambda: graph_time_us(
+            [lambda i=i: moe.moe_align(i, e, 16) for i, _ in routs], args.rep_ms), float("nan"))
+        ok = [r for r in results if r["us"] is not None]
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        mean_touched = sum(touched) / len(touched)
+        row = dict(kind="moe", fmt="nvfp4", T=t, experts=e, hidden=h, ffn=f, top_k=k, copies=copies,
+                   baseline=base, bf16_us=t_bf16, fp4_us=best["us"] if best else None, best=best, all=results,
+                   align_us=align_us, experts_touched=mean_touched, copy_gbs=copy_bw)
+        if best:
+            row["speedup"] = t_bf16 / best["us"]
+            row["fp4_gbs"] = mean_touched * per_expert_fp4 / (best["us"] * 1e-6) / 1e9
+            row["bf16_gbs"] = mean_touched * per_expert_bf16 / (t_bf16 * 1e-6) / 1e9
+        rows.append(row)
+        log(f"moe T={t}: bf16 {t_bf16:.1f}us  fp4 {best['us'] if best else float('nan'):.1f}us "
+            f"({best['config'] if best else '-'}) x{row.get('speedup', float('nan')):.2f} "
+            f"align {align_us:.1f}us  experts {mean_touched:.0f}", row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode attention over a quantized KV cache
+# ----------------------------------------------------------------------------------------------------
+ATTN = [(16, 4096), (64, 2048)]   # (batch, cached tokens); 32 query heads, 8 KV heads, head_dim 128
+
+
+def bench_attention(args, copy_bw, log):
+    from megatron_qrl.kernels import fp4_kv_decode as att
+
+    rows = []
+    hq, hkv, d = (32, 8, 128) if DEV == "cuda" else (4, 2, 64)
+    for bsz, s in ATTN:
+        q = torch.randn(bsz, hq, d, device=DEV, dtype=torch.bfloat16)
+        kx = torch.randn(bsz, hkv, s, d, device=DEV, dtype=torch.bfloat16)
+        vx = torch.randn(bsz, hkv, s, d, device=DEV, dtype=torch.bfloat16)
+        lens = torch.full((bsz,), s, device=DEV, dtype=torch.int32)
+        q4 = q[:, :, None, :]
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(q4, kx, vx, enable_gqa=True)
+
+        t_bf16 = safe(log, "sdpa", lambda: graph_time_us([sdpa], args.rep_ms), float("nan"))
+        for fmt in ("nvfp4", "fp8"):
+            k, v = att.quantize_kv(kx.float(), fmt), att.quantize_kv(vx.float(), fmt)
+            err = safe(log, f"attn {fmt}", lambda: rel_err(att.decode_attention(q, k, v, lens),
+                                                           att.decode_attention_reference(q, k, v, lens)),
+                       float("inf"))
+            us = None
+            if err < 2e-2:
+                us = safe(log, f"time attn {fmt}", lambda: graph_time_us(
+                    [lambda: att.decode_attention(q, k, v, lens)], args.rep_ms))
+            kv_bytes = 2 * (k.data.numel() * k.data.element_size()
+                            + (k.scales.numel() if k.scales is not None else 0))
+            row = dict(kind="attn", fmt=fmt, B=bsz, S=s, heads=f"{hq}/{hkv}", head_dim=d, bf16_us=t_bf16,
+                       fp4_us=us, err=err, kv_bytes=kv_bytes, bf16_kv_bytes=2 * kx.numel() * 2, copy_gbs=copy_bw,
+                       best=dict(config="split-KV decode", err=err, us=us) if us else None)
+            if us:
+                row["speedup"] = t_bf16 / us
+                row["fp4_gbs"] = kv_bytes / (us * 1e-6) / 1e9
+                row["bf16_gbs"] = 2 * kx.numel() * 2 / (t_bf16 * 1e-6) / 1e9
+            rows.append(row)
+            log(f"attn {fmt} B={bsz} S={s}: sdpa bf16 {t_bf16:.1f}us  ours {us or float('nan'):.1f}us "
+                f"err {err:.1e}", row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------
+def markdown(env, rows):
+    lines = [f"Machine: {env['gpu']} ({env['sms']} SMs, L2 {env['l2_mb']:.0f} MB); torch {env['torch']}, "
+             f"triton {env['triton']}, CUDA {env['cuda']}, python {env['python']}. Copy bandwidth (read+write): "
+             f"{env['copy_gbs']:.0f} GB/s.", ""]
+    lines += ["| kernel | shape | M / tokens | bf16 (us) | FP4 W4A16 (us) | speedup | FP4 weight GB/s "
+              "(% of copy) | bf16 weight GB/s | rel. err | config |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "dense":
+            shape = f"{r['fmt']} K={r['K']} N={r['N']}"
+            mt = r["M"]
+        elif r["kind"] == "attn":
+            shape = f"decode attn, {r['fmt']} KV, heads {r['heads']}, d {r['head_dim']}, S={r['S']}"
+            mt = f"B={r['B']}"
+        else:
+            shape = f"MoE nvfp4 E={r['experts']} H={r['hidden']} F={r['ffn']} top{r['top_k']}"
+            mt = r["T"]
+        b = r.get("best")
+        if not b:
+            lines.append(f"| {r['kind']} | {shape} | {mt} | {r['bf16_us']:.1f} | FAILED | | | | | |")
+            continue
+        lines.append(f"| {r['kind']} | {shape} | {mt} | {r['bf16_us']:.1f} | {r['fp4_us']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['fp4_gbs']:.0f} ({100 * r['fp4_gbs'] / r['copy_gbs']:.0f}%) | "
+                     f"{r['bf16_gbs']:.0f} | {b['err']:.1e} | {b['config']} |")
+    lines += ["", "Attention rows: bf16 = torch SDPA (enable_gqa) over a bf16 cache; the GB/s columns count the "
+              "KV-cache bytes (codes + scales) instead of weights."]
+    return "\n".join(lines)
+
+
+def profile(args):
+    """Run a few kernels between cudaProfilerStart/Stop (for `ncu --profile-from-start off`)."""
+    layouts, dense, moe, *_ = _imports()
+    cases = []
+    k, n = DENSE_SHAPES[0]
+    w = _random_prepared(layouts, "nvfp4", None, n, k)
+    wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    for m in (1, 128):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        cases.append((f"bf16 M={m}", lambda x=x: torch.matmul(x, wb.t())))
+        for cfg in dense_configs(dense, "nvfp4", m, n, k, "all")[:3]:
+            cases.append((f"fp4 M={m} {cfg.short()}", lambda x=x, cfg=cfg: dense.w4a16_gemm(x, w, config=cfg)))
+    e, h, f = MOE["experts"], MOE["hidden"], MOE["ffn"]
+    w13 = _random_prepared(layouts, "nvfp4", e, 2 * f, h)
+    w2 = _random_prepared(layouts, "nvfp4", e, h, f)
+    x = torch.randn(32, h, device=DEV, dtype=torch.bfloat16)
+    ids, tw = _routing(32)
+    cases.append(("moe T=32", lambda: moe.moe_w4a16(x, w13, w2, ids, tw)))
+    for _, fn in cases:  # compile + warm up outside the profiled range
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, fn in cases:
+        fn()
+        torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    for i, (name, _) in enumerate(cases):
+        print(f"profiled case {i}: {name}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--copies", type=int, default=8, help="distinct weight copies per timed graph (>= 8)")
+    ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=MS)
+    ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
+    ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
+    ap.add_argument("--configs", choices=["heuristic", "all"], default="heuristic")
+    ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--skip-attn", action="store_true")
+    ap.add_argument("--workers", type=int, default=12, help="parallel precompile processes (0: none)")
+    ap.add_argument("--rep-ms", type=int, default=150)
+    ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="run a few kernels for ncu, no timing")
+    args = ap.parse_args()
+    if args.profile:
+        return profile(args)
+    global DENSE_SHAPES, MOE, DEV, L2_BYTES, ATTN
+    if args.cpu_smoke:  # exercise this script's logic on CPU: interpreter, tiny shapes, wall-clock timing
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEV = "cpu"
+        DENSE_SHAPES = [(256, 192)]
+        MOE = dict(hidden=128, ffn=64, experts=8, top_k=2)
+        ATTN = [(2, 64)]
+        args.copies, args.workers, L2_BYTES = 2, 0, 0
+    elif not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    if DEV == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        gpu, sms, l2 = props.name, props.multi_processor_count, getattr(props, "L2_cache_size", 0) / 1e6
+        L2_BYTES = max(L2_BYTES, l2 * 1e6)
+    else:
+        gpu, sms, l2 = "cpu (interpreter smoke test)", 0, 0.0
+    env = dict(gpu=gpu, sms=sms, l2_mb=l2,
+               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+               python=platform.python_version(), date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:])
+    jsonl = open(args.out / "bench_kernels.jsonl", "w")
+
+    def log(msg, row=None):
+        print(msg, flush=True)
+        if row is not None:
+            jsonl.write(json.dumps(row, default=str) + "\n")
+            jsonl.flush()
+
+    t0 = time.time()
+    precompile(plan(args), args.workers)
+    env["copy_gbs"] = copy_bandwidth_gbs()
+    log(f"{env['gpu']}: copy {env['copy_gbs']:.0f} GB/s; torch {env['torch']} triton {env['triton']}")
+    rows = []
+    if not args.skip_dense:
+        rows += bench_dense(args, env["copy_gbs"], log)
+    if not args.skip_moe:
+        rows += bench_moe(args, env["copy_gbs"], log)
+    if not args.skip_attn:
+        rows += safe(log, "attention bench", lambda: bench_attention(args, env["copy_gbs"], log), [])
+    env["seconds"] = time.time() - t0
+    md = markdown(env, rows)
+    (args.out / "bench_kernels.md").write_text(md + "\n")
+    (args.out / "bench_kernels.json").write_text(json.dumps(dict(env=env, targets=TARGETS, rows=rows),
+                                                            indent=1, default=str))
+    print(md, flush=True)
+
+
+if __name__ == "__main__":
+    main()
