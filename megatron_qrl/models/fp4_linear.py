@@ -125,7 +125,7 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
         if fmt == "nvfp4" and not capture and _triton_ok(x):
             # GPU: one fused Triton kernel, byte-identical to the torch codec (tests/test_kernels_codec.py),
             # instead of ~75 small kernels and a host sync per call
-            from megatron_qrl.kernels import nvfp4_fake_quant_triton
+            from megatron_qrl.kernels.fp4_fake_quant import nvfp4_fake_quant_triton
 
             if guide is not None:
                 return nvfp4_fake_quant_triton(x, guide, fallback_shift=fallback_shift, stats=stats,
@@ -147,7 +147,7 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
             else:
                 gs = nvfp4_global_scale(_global_amax(x, group, amax_floor))
                 if _triton_ok(x):  # GPU capture (the engine's TRACE record): the same bytes from one kernel
-                    from megatron_qrl.kernels import nvfp4_quantize_triton
+                    from megatron_qrl.kernels.fp4_quant import nvfp4_quantize_triton
 
                     out = nvfp4_quantize_triton(x, gs, capture=capture, check_finite=False)
                 else:
