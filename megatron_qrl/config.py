@@ -188,6 +188,7 @@ class RunConfig(_Section):
     output_dir: str = "runs/tiny_cpu"
     total_steps: int = Field(20, ge=1)
     sft_steps: int = Field(0, ge=0, description="SFT warm start when no checkpoint exists")
+    sft_lr: Optional[float] = Field(None, gt=0, description="constant LR of the SFT warm start (default trainer.lr)")
     eval_every: int = Field(10, ge=0)
     checkpoint_every: int = Field(10, ge=0)
     resume: bool = True

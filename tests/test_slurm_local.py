@@ -248,3 +248,26 @@ def test_trace_moe_requeues_on_usr1_and_resumes(cluster, tmp_path, cancel_after)
     assert first[0]["config"] == str(config)
     assert first[0]["overrides"] == ["run.resume=true", "run.total_steps=14"]
     assert ckpt.read_text() == "14"
+
+
+def test_trace_moe_runs_the_real_rl_job(cluster, tmp_path, cancel_after):
+    """`sbatch slurm/trace_moe.sh configs/tiny_cpu.yaml ...` runs the actual RL loop (2 gloo ranks, TRACE,
+    AIS, AQN, W&B offline) to completion and leaves its metrics and checkpoint."""
+    out_dir = tmp_path / "run"
+    log = tmp_path / "job.out"
+    job = submit_trace_moe(ROOT / "configs/tiny_cpu.yaml", f"run.output_dir={out_dir}", "run.total_steps=2",
+                           "run.sft_steps=2", "run.eval_every=2", "run.checkpoint_every=2", "data.eval_size=8",
+                           "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
+                           output=log, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    cancel_after(job)
+    info = wait_for_state(job, {"COMPLETED", "FAILED"}, timeout=600)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log.read_text()[-4000:]
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
+    last = metrics[-1]
+    for key in ("reward/mean", "ais/alpha", "aqn/sigma", "trace/code_mismatch_before", "trace/code_mismatch_after",
+                "r3/router_agreement", "sync/hash_ok", "eval/accuracy"):
+        assert key in last, key
+    assert last["sync/hash_ok"] == 1.0 and last["trace/code_mismatch_after"] < last["trace/code_mismatch_before"]
+    assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert list((out_dir / "wandb").glob("offline-run-*")), "no offline W&B run was written"

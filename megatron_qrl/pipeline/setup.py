@@ -130,14 +130,36 @@ def resume_or_warm_start(s: RunSetup) -> int:
     if cfg.run.init_checkpoint:  # weights only (a converted HF model or another run's checkpoint)
         s.trainer.load(cfg.run.init_checkpoint, load_optimizer=False)
     if cfg.run.sft_steps:
-        from megatron_qrl.logging import progress_bar
-
-        bs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        for i in progress_bar(range(cfg.run.sft_steps), desc="SFT warm start", rank=dist.get_rank(), unit="step"):
-            rows = [s.train_set[(i * bs + j) % len(s.train_set)] for j in range(bs)]
-            stats = s.trainer.train_step(sft_batch(rows, s.tokenizer), sft_loss)
-            s.extra["sft/loss"] = stats.get("sft/loss")
+        sft_warm_start(s)
     return 0
+
+
+def sft_warm_start(s: RunSetup) -> None:
+    """Supervised steps on the task's reference responses at a constant run.sft_lr; the RL LR schedule then
+    starts from its beginning (the scheduler's state is restored afterwards)."""
+    from megatron_qrl.logging import progress_bar
+
+    cfg, sched = s.cfg, s.trainer.scheduler
+    lr = cfg.run.sft_lr or cfg.trainer.lr
+    groups = s.trainer.optimizer.param_groups
+    saved = (sched.max_lr, sched.min_lr, sched.num_steps, [(g.get("max_lr"), g.get("min_lr")) for g in groups])
+    sched.max_lr = sched.min_lr = lr
+    for g in groups:  # Megatron's groups carry their own max/min LR, which the scheduler prefers
+        g["max_lr"] = g["min_lr"] = lr
+    sched.step(increment=0)
+    bs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    for i in progress_bar(range(cfg.run.sft_steps), desc="SFT warm start", rank=dist.get_rank(), unit="step"):
+        rows = [s.train_set[(i * bs + j) % len(s.train_set)] for j in range(bs)]
+        stats = s.trainer.train_step(sft_batch(rows, s.tokenizer), sft_loss)
+        s.extra["sft/loss"] = stats.get("sft/loss")
+    sched.max_lr, sched.min_lr, sched.num_steps, group_lrs = saved
+    for g, (hi, lo) in zip(groups, group_lrs):
+        for key, value in (("max_lr", hi), ("min_lr", lo)):
+            if value is None:
+                g.pop(key, None)
+            else:
+                g[key] = value
+    sched.step(increment=0)
 
 
 def save_checkpoint(s: RunSetup, step: int) -> str:
