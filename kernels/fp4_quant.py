@@ -563,15 +563,9 @@ def mxfp4_quantize_triton(x: torch.Tensor, capture: bool = False, *, check_finit
 
 def check_input_fast(x: torch.Tensor, block: int, where: str) -> None:
     """The reference's input checks without its finiteness pass (done by the callers, see check_finite)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{where}: dtype {x.dtype} is not supported; convert to float32, float16 or bfloat16")
-    if x.dim() == 0 or x.numel() == 0:
-        raise ValueError(f"{where}: empty or 0-dim tensor (shape {tuple(x.shape)}); nothing to quantize")
-    if x.shape[-1] % block:
-        raise ValueError(f"{where}: last dimension {x.shape[-1]} is not a multiple of the block size {block}; "
-                         f"pad K to a multiple of {block} or quantize a different layout")
+    from megatron_qrl.quant.validate import check_input
+
+    check_input(x, block, where, check_finite=False)
 
 
 __all__ = ["nvfp4_quantize_triton", "mxfp4_quantize_triton", "DEFAULT_CONFIG", "check_input_fast",

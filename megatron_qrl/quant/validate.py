@@ -6,7 +6,7 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_input(x: torch.Tensor, block: int, where: str) -> None:
+def check_input(x: torch.Tensor, block: int, where: str, check_finite: bool = True) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -16,7 +16,7 @@ def check_input(x: torch.Tensor, block: int, where: str) -> None:
     if x.shape[-1] % block:
         raise ValueError(f"{where}: last dimension {x.shape[-1]} is not a multiple of the block size {block}; "
                          f"pad K to a multiple of {block} or quantize a different layout")
-    if not bool(torch.isfinite(x).all()):
+    if check_finite and not bool(torch.isfinite(x).all()):
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
         raise ValueError(f"{where}: input holds {n_nan} NaN and {n_inf} Inf values; FP4 cannot encode them "

@@ -137,6 +137,19 @@ def pack_state(named_params: Iterable[tuple[str, torch.Tensor]], fmt: str,
     return weights, {n: payload_digest(w) for n, w in weights.items()}
 
 
+def digest_problem(name: str, payload: Payload, expected: Optional[str]) -> Optional[str]:
+    """Why `payload` fails its digest check (None when its bytes hash to `expected`)."""
+    if expected is None:
+        return f"'{name}': no digest sent"
+    try:
+        got = payload_digest(payload, digest_algorithm(expected))
+    except (TypeError, WeightUpdateError) as e:
+        return f"'{name}': {e}"
+    if got != expected:
+        return f"'{name}': digest mismatch (sent {expected[:20]}..., received bytes hash to {got[:20]}...)"
+    return None
+
+
 class WeightStore:
     """The engine's copy of the policy weights in their sync form (FP4 packed or plain), by parameter name.
 
@@ -168,18 +181,9 @@ class WeightStore:
             if param is None:
                 problems.append(f"'{name}': not a parameter of the engine's model")
                 continue
-            expected = hashes.get(name)
-            if expected is None:
-                problems.append(f"'{name}': no digest sent")
-                continue
-            try:
-                got = payload_digest(payload, digest_algorithm(expected))
-            except (TypeError, WeightUpdateError) as e:
-                problems.append(f"'{name}': {e}")
-                continue
-            if got != expected:
-                problems.append(f"'{name}': digest mismatch (sent {expected[:20]}..., received bytes hash to "
-                                f"{got[:20]}...)")
+            problem = digest_problem(name, payload, hashes.get(name))
+            if problem is not None:
+                problems.append(problem)
                 continue
             if tuple(payload.shape) != tuple(param.shape):
                 problems.append(f"'{name}': shape {tuple(payload.shape)} != model {tuple(param.shape)}")

@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ..protocol import RolloutSample, SamplingParams, WeightUpdateError
-from ..weights import Payload, digest_algorithm, payload_digest
+from ..weights import Payload, digest_problem
 from .payloads import (RoutingLayout, SGLangResponseError, generate_request, parse_generate_response,
                        request_seed)
 from .release import SGLANG_VERSION
@@ -32,17 +32,9 @@ def verify_digests(weights: Mapping[str, Payload], hashes: Mapping[str, str]) ->
     """All-or-nothing: every payload has a digest that matches its bytes, and no digest lacks a payload."""
     problems = []
     for name, payload in weights.items():
-        expected = hashes.get(name)
-        if expected is None:
-            problems.append(f"'{name}': no digest sent")
-            continue
-        try:
-            got = payload_digest(payload, digest_algorithm(expected))
-        except (TypeError, WeightUpdateError) as e:
-            problems.append(f"'{name}': {e}")
-            continue
-        if got != expected:
-            problems.append(f"'{name}': digest mismatch (sent {expected[:20]}..., bytes hash to {got[:20]}...)")
+        problem = digest_problem(name, payload, hashes.get(name))
+        if problem is not None:
+            problems.append(problem)
     extra = sorted(set(hashes) - set(weights))
     if extra:
         problems.append(f"digests for names that were not sent: {extra[:3]}")
