@@ -38,8 +38,9 @@ def train(cfg) -> dict:
     s.save_config()                               # runs/NAME/config.yaml: what `qrl eval` reloads
     start = resume_or_warm_start(s)
     last: dict = {}
+    end = min(cfg.run.total_steps, start + (cfg.run.stop_after_steps or cfg.run.total_steps))
     with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log:
-        for step in progress_bar(range(start, cfg.run.total_steps), total=cfg.run.total_steps, initial=start,
+        for step in progress_bar(range(start, end), total=cfg.run.total_steps, initial=start,
                                  desc="RL", rank=env.rank, unit="step"):
             m = sync_weights(s.engine_ready(), s.trainer, cfg, step, version=step)            # FP4 bytes + AQN
             t0 = time.perf_counter()
@@ -64,8 +65,8 @@ def train(cfg) -> dict:
                 save_checkpoint(s, step + 1)
             log.log(m, step=step)
             last = m
-    if cfg.run.checkpoint_every and cfg.run.total_steps % cfg.run.checkpoint_every:
-        save_checkpoint(s, cfg.run.total_steps)
+    if cfg.run.checkpoint_every and end % cfg.run.checkpoint_every:
+        save_checkpoint(s, end)
     return last
 
 

@@ -192,6 +192,8 @@ class RunConfig(_Section):
     eval_every: int = Field(10, ge=0)
     checkpoint_every: int = Field(10, ge=0)
     resume: bool = True
+    stop_after_steps: Optional[int] = Field(None, ge=1, description="end this process after N RL steps (e.g. "
+                                            "to fit a job's time limit); a rerun resumes from the checkpoint")
     init_checkpoint: Optional[str] = Field(None, description="start from these weights (e.g. `qrl convert "
                                            "hf-to-mcore` output) when the run has no checkpoint of its own")
     wandb_project: str = "megatron-qrl"

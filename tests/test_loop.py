@@ -61,7 +61,7 @@ def test_two_data_parallel_processes_match_one(reference, tmp_path):
 
 def test_stopped_run_resumes_and_continues_the_metrics_stream(reference, tmp_path):
     out = tmp_path / "resumed"
-    _train(out, steps=2)
+    _train(out, steps=3, extra=["run.stop_after_steps=2"])  # the same 3-step job, ended after 2 steps
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
     metrics = _train(out, steps=3)  # same directory: resumes at step 2
     assert [m["step"] for m in metrics] == [0, 1, 2]

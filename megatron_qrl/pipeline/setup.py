@@ -102,10 +102,26 @@ def generate_shard(s: RunSetup, prompts: list, step: int):
     rollouts = engine.generate(encode_prompts(s.tokenizer, samples), sampling) if samples else []
     if s.dp_size > 1:
         parts: list = [None] * s.dp_size  # data parallel only (check_colocated_layout): the DP group is WORLD
-        dist.all_gather_object(parts, (samples, rollouts))
+        dist.all_gather_object(parts, _to_bytes((samples, rollouts)))
+        parts = [_from_bytes(p) for p in parts]
         samples = [x for p in parts for x in p[0]]
         rollouts = [x for p in parts for x in p[1]]
     return samples, rollouts
+
+
+def _to_bytes(obj) -> bytes:
+    """torch.save, not pickle: pickle cannot serialize the float8 TRACE scales (torch 2.13)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes):
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Tensor] = None,
