@@ -90,6 +90,21 @@ class RunSetup:
         return SamplingParams.from_config(self.cfg.rollout, stop_token_ids=(self.tokenizer.eos_id,), seed=seed,
                                           index_offset=index_offset)
 
+    # ------------------------------------------------------------------------------------- metrics
+    def step_metrics(self, batch: RolloutBatch, rollouts: list, rollout_s: float) -> dict:
+        lens = torch.tensor([len(r.tokens) for r in rollouts], dtype=torch.float32)
+        generated = float(lens.sum())
+        return {"reward/mean": float(batch.rewards.mean()),
+                "reward/std": float(batch.rewards.std(unbiased=False)),
+                "response/len_mean": float(lens.mean()),
+                "response/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
+                "rollout/tokens_per_s": generated / max(rollout_s, 1e-9), "time/wall": time.time()}
+
+    @staticmethod
+    def train_key(name: str) -> str:
+        """Trainer stat names -> the metric names of docs/metrics.md."""
+        return _TRAIN_KEYS.get(name, name if "/" in name else f"train/{name}")
+
 
 def generate_shard(s: RunSetup, prompts: list, step: int):
     """Each data-parallel rank generates a contiguous share of the prompt groups; all ranks get all."""
@@ -187,21 +202,3 @@ def save_checkpoint(s: RunSetup, step: int) -> str:
         mark_latest(s.cfg.run.output_dir, path)
     dist.barrier()
     return str(path)
-
-
-# ------------------------------------------------------------------------------------- metrics
-def step_metrics(s: RunSetup, batch: RolloutBatch, rollouts: list, rollout_s: float) -> dict:
-    lens = torch.tensor([len(r.tokens) for r in rollouts], dtype=torch.float32)
-    generated = float(lens.sum())
-    return {"reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std(unbiased=False)),
-            "response/len_mean": float(lens.mean()),
-            "response/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
-            "rollout/tokens_per_s": generated / max(rollout_s, 1e-9), "time/wall": time.time()}
-
-
-def train_key(name: str) -> str:
-    return _TRAIN_KEYS.get(name, name if "/" in name else f"train/{name}")
-
-
-RunSetup.step_metrics = step_metrics
-RunSetup.train_key = staticmethod(train_key)
