@@ -241,21 +241,29 @@ def _pack_store_f(t, neg, packed_ptr, bits_ptr, rows, mask, BB: tl.constexpr, G:
     _store_tile(packed_ptr, hb, rows, mask, BB, G // 4, C // 4, HAS_MASK, RB)
     if CAPTURE:
         code = t.to(tl.int32, bitcast=True)                          # its lowest bit is the mantissa bit
-        shift = (tl.arange(0, H)[:, None, None] * C + tl.arange(0, C)[None, None, :]) % 8
-        m = (code & 1) << shift
-        m = tl.sum(tl.reshape(m, (G // 8, 8 // C, BB, C)), axis=3)
-        bits = tl.sum(m, axis=1).to(tl.uint8)                      # [G/8, BB]
-        if RB:
-            bits = tl.permute(bits, (1, 0))
-            boffs = rows[:, None] * (G // 8) + tl.arange(0, G // 8)[None, :]
-            bmask = mask[:, None]
-        else:
-            boffs = rows[None, :] * (G // 8) + tl.arange(0, G // 8)[:, None]
-            bmask = mask[None, :]
-        if HAS_MASK:
-            tl.store(bits_ptr + boffs, bits, mask=bmask)
-        else:
-            tl.store(bits_ptr + boffs, bits)
+        _store_mantissa_bits(bits_ptr, code, rows, mask, BB, G, C, HAS_MASK, RB)
+
+
+@triton.jit
+def _store_mantissa_bits(bits_ptr, code, rows, mask, BB: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+                         HAS_MASK: tl.constexpr, RB: tl.constexpr):
+    """TRACE capture: the lowest bit of every code [G/C, BB, C], packed 8 per byte LSB first -> [rows, G/8]."""
+    H: tl.constexpr = G // C
+    shift = (tl.arange(0, H)[:, None, None] * C + tl.arange(0, C)[None, None, :]) % 8
+    m = (code & 1) << shift
+    m = tl.sum(tl.reshape(m, (G // 8, 8 // C, BB, C)), axis=3)
+    bits = tl.sum(m, axis=1).to(tl.uint8)                      # [G/8, BB]
+    if RB:
+        bits = tl.permute(bits, (1, 0))
+        boffs = rows[:, None] * (G // 8) + tl.arange(0, G // 8)[None, :]
+        bmask = mask[:, None]
+    else:
+        boffs = rows[None, :] * (G // 8) + tl.arange(0, G // 8)[:, None]
+        bmask = mask[None, :]
+    if HAS_MASK:
+        tl.store(bits_ptr + boffs, bits, mask=bmask)
+    else:
+        tl.store(bits_ptr + boffs, bits)
 
 
 @triton.jit
@@ -318,21 +326,7 @@ def _pack_store(code, packed_ptr, bits_ptr, rows, mask, BB: tl.constexpr, G: tl.
     packed = (lo | (hi << 4)).to(tl.uint8)
     _store_tile(packed_ptr, packed, rows, mask, BB, G // 2, C // 2, HAS_MASK, RB)
     if CAPTURE:
-        shift = (tl.arange(0, H)[:, None, None] * C + tl.arange(0, C)[None, None, :]) % 8
-        m = (code & 1) << shift
-        m = tl.sum(tl.reshape(m, (G // 8, 8 // C, BB, C)), axis=3)
-        bits = tl.sum(m, axis=1).to(tl.uint8)                      # [G/8, BB]
-        if RB:
-            bits = tl.permute(bits, (1, 0))
-            boffs = rows[:, None] * (G // 8) + tl.arange(0, G // 8)[None, :]
-            bmask = mask[:, None]
-        else:
-            boffs = rows[None, :] * (G // 8) + tl.arange(0, G // 8)[:, None]
-            bmask = mask[None, :]
-        if HAS_MASK:
-            tl.store(bits_ptr + boffs, bits, mask=bmask)
-        else:
-            tl.store(bits_ptr + boffs, bits)
+        _store_mantissa_bits(bits_ptr, code, rows, mask, BB, G, C, HAS_MASK, RB)
 
 
 @triton.jit
