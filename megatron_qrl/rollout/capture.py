@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -75,48 +76,188 @@ def recording_trace(model: torch.nn.Module, sites: set[str]):
         yield records
 
 
+@dataclass
+class GroupedCaptureRecord:
+    """One routed-expert role of one layer for all experts at once (the kernel path, kernel_linears.py).
+
+    Rows are in the dispatcher's order (by expert, then ascending token), like the per-expert records
+    concatenated in expert order; expert_ids [N] names each row's expert, global_scale [N] its scale."""
+
+    layer: int
+    role: str
+    expert_ids: torch.Tensor
+    packed: torch.Tensor
+    scales: torch.Tensor
+    global_scale: Optional[torch.Tensor]
+    bits: torch.Tensor
+
+    @property
+    def site(self) -> str:
+        return f"L{self.layer}.{self.role}"
+
+
 def scatter_records(records: list, routed: Optional[torch.Tensor], num_tokens: int, moe_layers: list[int],
-                    fmt: str, keep_codes: bool = False) -> dict[int, dict[str, ActivationCapture]]:
+                    fmt: str, keep_codes: bool = False, errors: Optional[list] = None
+                    ) -> dict[int, dict[str, ActivationCapture]]:
     """Capture records of one forward -> per layer and role an ActivationCapture over the step's tokens.
 
     Routed-expert roles get rows [T, k] (slot j = routed[:, layer, j]); dense roles rows [T]. routed: int
     [T, num_moe_layers, k] of the same forward. keep_codes also keeps the packed E2M1 codes
     (`ActivationCapture.codes`, for tests and debugging; the trainer needs only bits and scales).
+
+    Vectorised, no host synchronisation: the records of one layer and role, in expert order, are the
+    dispatcher's rows, i.e. the (token, slot) assignments stably sorted by expert; one sort of the routed
+    ids gives each row's (token, slot), one index_copy per tensor places them. The row count is checked
+    from shapes; the experts of the rows against the sorted ids on the device: with `errors` given, a
+    (description, device bool) pair is appended for the caller to check once (`check_capture_errors`),
+    otherwise it is checked here.
     """
     layer_pos = {layer: i for i, layer in enumerate(moe_layers)}
     out: dict[int, dict[str, ActivationCapture]] = {}
-    filled: dict[tuple[int, str], torch.Tensor] = {}
+    groups: dict[tuple[int, str], list] = {}
     for rec in records:
+        if isinstance(rec, GroupedCaptureRecord):
+            groups.setdefault((rec.layer, rec.role), []).append((None, rec))
+            continue
         match = SITE.match(rec.site)
         if match is None:
             raise RuntimeError(f"capture record of unknown site '{rec.site}'")
         layer, role = int(match.group(1)), match.group(2)
         if match.group(3) is None:
             _put_dense(out, rec, layer, role, num_tokens, fmt, keep_codes)
-            continue
-        expert = int(match.group(3))
-        hit = routed[:, layer_pos[layer], :].long() == expert
-        tokens, slots = hit.nonzero(as_tuple=True)      # row-major: ascending token index, as dispatched
-        if tokens.numel() != rec.bits.shape[0]:
-            raise RuntimeError(f"site {rec.site}: {rec.bits.shape[0]} captured rows but {tokens.numel()} tokens "
-                               "routed to the expert; the token dispatcher dropped or reordered tokens")
-        cap = out.setdefault(layer, {}).get(role)
-        if cap is None:
-            cap = out[layer][role] = _empty_capture(rec, (num_tokens, routed.shape[-1]), fmt, keep_codes)
-            filled[(layer, role)] = torch.zeros(num_tokens, routed.shape[-1], dtype=torch.bool,
-                                                device=routed.device)
-        cap.bits[tokens, slots] = rec.bits
-        cap.scales[tokens, slots] = rec.scales
-        if cap.global_scale is not None:
-            cap.global_scale[tokens, slots] = rec.global_scale.float()
-        if keep_codes:
-            cap.codes[tokens, slots] = rec.packed
-        filled[(layer, role)][tokens, slots] = True
-    for (layer, role), mask in filled.items():
-        if not bool(mask.all()):
-            raise RuntimeError(f"TRACE capture of layer {layer} {role}: {int((~mask).sum())} (token, slot) pairs "
-                               "got no record")
+        else:
+            groups.setdefault((layer, role), []).append((int(match.group(3)), rec))
+    for (layer, role), items in groups.items():
+        k = routed.shape[-1]
+        flat = routed[:, layer_pos[layer], :].reshape(-1).long()
+        sorted_experts, order = torch.sort(flat, stable=True)   # the dispatcher's order of (token, slot)
+        rows = _rows_of(items, layer, role, fmt, keep_codes, flat.device)
+        n = rows["bits"].shape[0]
+        if n != num_tokens * k:
+            raise RuntimeError(f"layer {layer} {role}: {n} captured rows for {num_tokens} tokens x top-{k}; the "
+                               "token dispatcher dropped or duplicated tokens")
+        bad = (rows.pop("experts") != sorted_experts).any()
+        what = f"TRACE capture of layer {layer} {role}: captured rows do not follow the routed experts"
+        if errors is None:
+            if bool(bad):
+                raise RuntimeError(what)
+        else:
+            errors.append((what, bad))
+        cap = {}
+        for name, t in rows.items():
+            raw = _bytes_view(t)
+            dest = torch.empty((n, *t.shape[1:]), dtype=raw.dtype, device=t.device)
+            dest.index_copy_(0, order, raw)
+            cap[name] = dest.view(t.dtype).view(num_tokens, k, *t.shape[1:])
+        out.setdefault(layer, {})[role] = ActivationCapture(fmt, cap["bits"], cap["scales"], cap.get("global_scale"),
+                                                            cap.get("codes"))
     return out
+
+
+def _rows_of(items: list, layer: int, role: str, fmt: str, keep_codes: bool, device) -> dict[str, torch.Tensor]:
+    """The rows of one layer and role in dispatch order: bits, scales, global_scale, codes, experts (per row)."""
+    def flat2(t):
+        return t.reshape(-1, t.shape[-1])
+
+    if items[0][0] is None:
+        if len(items) != 1:
+            raise RuntimeError(f"layer {layer} {role} was captured twice in one forward")
+        rec = items[0][1]
+        rows = {"bits": flat2(rec.bits), "scales": flat2(rec.scales), "experts": rec.expert_ids.long()}
+        if fmt == "nvfp4":
+            rows["global_scale"] = rec.global_scale.float().reshape(-1)
+        if keep_codes:
+            rows["codes"] = flat2(rec.packed)
+        return rows
+    items = sorted(items, key=lambda it: it[0])
+    experts = [e for e, _ in items]
+    if len(set(experts)) != len(experts):
+        raise RuntimeError(f"layer {layer} {role}: an expert was captured twice in one forward")
+    counts = [flat2(r.bits).shape[0] for _, r in items]
+    rows = {"bits": torch.cat([flat2(r.bits) for _, r in items]),
+            "scales": torch.cat([_bytes_view(flat2(r.scales)) for _, r in items]).view(items[0][1].scales.dtype),
+            "experts": torch.repeat_interleave(torch.tensor(experts), torch.tensor(counts)).to(device)}
+    if fmt == "nvfp4":
+        rows["global_scale"] = torch.cat([r.global_scale.float().reshape(1).expand(c)
+                                          for (_, r), c in zip(items, counts)])
+    if keep_codes:
+        rows["codes"] = torch.cat([flat2(r.packed) for _, r in items])
+    return rows
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """float8 tensors as uint8 for data movement (index and cat kernels need not support float8)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
+def check_capture_errors(errors: list) -> None:
+    """One host synchronisation for all deferred capture checks of a generate() call."""
+    if not errors:
+        return
+    flags = torch.stack([bad for _, bad in errors]).cpu()
+    for (what, _), bad in zip(errors, flags.tolist()):
+        if bad:
+            raise RuntimeError(what + "; the token dispatcher dropped or reordered tokens")
+
+
+class RolloutRecords:
+    """Per-step R3 ids and TRACE captures of one generate() call, kept on the device until the end.
+
+    `add_step` stores a step's tensors and where each sequence's rows are; `finish` concatenates every
+    step once per tensor, orders the rows by sequence (one gather on the device), copies each tensor to
+    the host once and splits it into per-sequence views: no per-step copies, no per-sequence slicing.
+    """
+
+    def __init__(self):
+        self.routed: list[torch.Tensor] = []
+        self.trace: list[dict] = []
+        self.spans: dict[int, list[tuple[int, int]]] = {}
+        self.offset = 0
+        self.errors: list = []
+
+    def add_step(self, routed: Optional[torch.Tensor], trace: dict, spans: list[tuple[int, int, int]],
+                 num_tokens: int) -> None:
+        if routed is not None:
+            self.routed.append(routed)
+        if trace:
+            self.trace.append(trace)
+        for key, lo, hi in spans:
+            self.spans.setdefault(key, []).append((self.offset + lo, hi - lo))
+        self.offset += num_tokens
+
+    def finish(self, keys: list[int]) -> tuple[dict, dict]:
+        """(routed per key: host [n, L, k] or None, trace per key: {layer: {role: host ActivationCapture}})."""
+        check_capture_errors(self.errors)
+        sizes = [sum(n for _, n in self.spans.get(key, [])) for key in keys]
+        index = [torch.arange(s, s + n) for key in keys for s, n in self.spans.get(key, [])]
+        perm = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+        contiguous = bool(perm.numel() == self.offset and torch.equal(perm, torch.arange(self.offset)))
+
+        def gather(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            dtype = parts[0].dtype
+            raw = [_bytes_view(p) for p in parts]
+            full = torch.cat(raw, dim=0) if len(raw) > 1 else raw[0]
+            if not contiguous:
+                full = full.index_select(0, perm.to(full.device))
+            # own storage per sequence: a view would make torch.save of one sample carry all of them
+            return [t.clone().view(dtype) for t in torch.split(full.cpu(), sizes)]
+
+        routed = dict(zip(keys, gather(self.routed))) if self.routed else {key: None for key in keys}
+        trace: dict = {key: {} for key in keys}
+        if self.trace:
+            for layer, roles in self.trace[0].items():
+                for role, first in roles.items():
+                    caps = [step[layer][role] for step in self.trace]
+                    parts = {}
+                    for attr in ("bits", "scales", "global_scale", "codes"):
+                        if getattr(first, attr) is not None:
+                            parts[attr] = gather([getattr(c, attr) for c in caps])
+                    for i, key in enumerate(keys):
+                        trace[key].setdefault(layer, {})[role] = ActivationCapture(
+                            first.format, parts["bits"][i], parts["scales"][i],
+                            parts["global_scale"][i] if "global_scale" in parts else None,
+                            parts["codes"][i] if "codes" in parts else None)
+        return routed, trace
 
 
 def _put_dense(out: dict, rec, layer: int, role: str, num_tokens: int, fmt: str, keep_codes: bool) -> None:
@@ -152,6 +293,8 @@ def slice_rows(cap: ActivationCapture, start: int, stop: int) -> ActivationCaptu
 
 def concat_rows(chunks: list[ActivationCapture]) -> ActivationCapture:
     first = chunks[0]
+    if len(chunks) == 1:
+        return first
 
     def cat(attr):
         parts = [getattr(c, attr) for c in chunks]

@@ -23,7 +23,8 @@ from typing import Mapping, Optional
 import torch
 
 from .attention import StepBatch
-from .capture import RoutingRecorder, concat_rows, recording_trace, scatter_records, slice_rows, traced_sites
+from .capture import RolloutRecords, RoutingRecorder, concat_rows, recording_trace, scatter_records, traced_sites
+from .kernel_linears import KernelLinears, kernels_wanted
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .protocol import RolloutSample, SamplingParams, WeightUpdateError
@@ -56,7 +57,7 @@ class EmbeddedEngine:
     """RolloutEngine over the trainer's Megatron model (see the module docstring)."""
 
     def __init__(self, cfg, model: Optional[torch.nn.Module] = None, *, max_batch_size: Optional[int] = None,
-                 max_tokens_per_step: Optional[int] = None, keep_codes: bool = False):
+                 max_tokens_per_step: Optional[int] = None, keep_codes: bool = False, kernels=None):
         from megatron_qrl.models import build_model
 
         _check_single_process_layout()
@@ -70,6 +71,10 @@ class EmbeddedEngine:
         self.scheme = ro.scheme if ro.weights in FP4_FORMATS else "w16a16"
         quantized = self._configure_linears(cfg)
         self.store = WeightStore(dict(self.model.named_parameters()), quantized, ro.weights)
+        # GPU: the FP4 linears run on the W4A16 Triton kernels (kernel_linears.py; kernels="on" forces it)
+        dtype = next(self.model.parameters()).dtype
+        self.kernels = (KernelLinears(self.model, set(quantized), ro.weights, self.scheme == "w4a4")
+                        if kernels_wanted(kernels, self.device, dtype, ro.weights) else None)
         mc = self.model.config
         self.max_batch_size = max_batch_size or ro.max_batch_size
         self.max_tokens_per_step = max_tokens_per_step
@@ -125,6 +130,8 @@ class EmbeddedEngine:
             raise
         self.store.commit(staged, hashes, version)
         self.store.materialize(staged.keys())
+        if self.kernels is not None:
+            self.kernels.prepare(self.store)      # kernel weight layout: once per sync, never per call
         self.version = version
 
     def sync_from_model(self, source: torch.nn.Module, version: int) -> dict[str, str]:
@@ -153,9 +160,11 @@ class EmbeddedEngine:
         scheduler = ContinuousBatchScheduler(self.cache, self.max_batch_size, self.max_tokens_per_step)
         for s in seqs:
             scheduler.submit(s)
+        records = RolloutRecords()          # per-step R3 ids / TRACE captures stay on the device until the end
         while scheduler.has_work():
-            self._step(scheduler.plan())
+            self._step(scheduler.plan(), records)
             scheduler.retire_finished()
+        self._collect(seqs, records)
         self.stats["generate_calls"] += 1
         self.stats["sequences"] += len(seqs)
         self.stats["peak_batch"] = max(self.stats["peak_batch"], scheduler.peak_running)
@@ -215,26 +224,20 @@ class EmbeddedEngine:
                 raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                                  f"exceeds model.max_sequence_length ({self.cache.max_len})")
 
-    def _step(self, plan: StepPlan) -> None:
+    def _step(self, plan: StepPlan, records: RolloutRecords) -> None:
         runs = [(s.slot, feed, s.num_cached) for s, feed in zip(plan.sequences, plan.feeds)]
         batch = StepBatch.build(runs, self.device)
-        with recording_trace(self.model, self.trace_sites) as records:
+        with recording_trace(self.model, self.trace_sites) as captured:
             logits = self.runner.forward(batch).cpu()
         routed = self.routing.collect(batch.num_tokens)
-        trace = (scatter_records(records, routed, batch.num_tokens, self.routing.layers, self.format,
-                                 self.keep_codes) if records else {})
-        # samples hold host tensors: one device->host copy per step, then per-sequence slices
-        routed = routed.cpu() if routed is not None else None
-        trace = {layer: {role: cap.to("cpu") for role, cap in roles.items()} for layer, roles in trace.items()}
+        trace = (scatter_records(captured, routed, batch.num_tokens, self.routing.layers, self.format,
+                                 self.keep_codes, errors=records.errors) if captured else {})
+        spans = [(seq.index, batch.row_starts[b], batch.row_starts[b] + batch.row_lens[b])
+                 for b, seq in enumerate(plan.sequences)]
+        records.add_step(routed, trace, spans, batch.num_tokens)
         self.stats["steps"] += 1
         self.stats["forwarded_tokens"] += batch.num_tokens
         for b, (seq, feed) in enumerate(zip(plan.sequences, plan.feeds)):
-            lo, hi = batch.row_starts[b], batch.row_starts[b] + batch.row_lens[b]
-            if routed is not None:
-                seq.routed.append(routed[lo:hi])
-            for layer, roles in trace.items():
-                for role, cap in roles.items():
-                    seq.trace.setdefault(layer, {}).setdefault(role, []).append(slice_rows(cap, lo, hi))
             seq.num_cached += len(feed)
             if plan.samples[b]:
                 token = sample_token(logits[b], seq.params, seq.generator)
@@ -242,6 +245,13 @@ class EmbeddedEngine:
                            if seq.params.return_logprobs else None)
                 seq.accept(token, logprob)
                 self.stats["generated_tokens"] += 1
+
+    def _collect(self, seqs: list[Sequence], records: RolloutRecords) -> None:
+        """Per-sequence R3 ids and TRACE captures of the whole call: one device->host copy per tensor."""
+        routed, trace = records.finish([s.index for s in seqs])
+        for s in seqs:
+            s.routed = [routed[s.index]] if routed[s.index] is not None else []
+            s.trace = {layer: {role: [cap] for role, cap in roles.items()} for layer, roles in trace[s.index].items()}
 
     def _to_sample(self, s: Sequence) -> RolloutSample:
         routed = torch.cat(s.routed, dim=0) if s.routed else None
@@ -259,6 +269,8 @@ class EmbeddedEngine:
             return
         self.cache.release()
         self.store.offload()
+        if self.kernels is not None:
+            self.kernels.drop()
         for name, p in self.model.named_parameters():
             self._param_shapes[name] = p.shape
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -271,6 +283,8 @@ class EmbeddedEngine:
         for name, p in self.model.named_parameters():
             p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
         self.store.materialize()
+        if self.kernels is not None:
+            self.kernels.prepare(self.store)
         self.cache.allocate()
         self.released = False
 
@@ -281,5 +295,6 @@ class EmbeddedEngine:
             "memory": "released" if self.released else "resident",
             "weight_store_bytes": self.store.nbytes(), "kv_cache_bytes": self.cache.nbytes(),
             "max_batch_size": self.max_batch_size, "trace_layers": list(self.trace_layers),
+            "fp4_kernels": self.kernels is not None,
             **self.stats,
         }

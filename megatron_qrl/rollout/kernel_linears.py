@@ -1,0 +1,245 @@
+"""The engine's FP4 linears on the W4A16 Triton kernels (kernels/): prepared weights, built once per sync.
+
+When the engine runs its FP4 linears on the kernels (`kernels_wanted`: CUDA + bf16 model by default,
+forced with `EmbeddedEngine(kernels="on")` / QRL_ROLLOUT_KERNELS=on, e.g. under TRITON_INTERPRET=1 on CPU):
+- every quantized dense linear (qkv / proj / shared experts with quant.targets=all_linears) keeps a
+  `PreparedFP4Weight` and its GEMM becomes `w4a16_gemm` (the linear's `_forward_impl` is swapped on the
+  instance; input quantization and TRACE capture still go through the linear's own hook);
+- every routed-expert MLP (Megatron SequentialMLP, one python call per expert) becomes one grouped launch
+  for gate/up (fused SiLU) and one for down over all experts (`moe_grouped_gemm`): the dispatcher's
+  permuted rows are already sorted by expert, so each row is an assignment of top-k 1;
+- W4A4 quantize-dequantizes each expert's input with that expert's own dynamic global scale (amax of the
+  rows routed to it in this step, as the trainer's QAT hook does) on the fused Triton fake-quant, then runs
+  the W4A16 kernels. The fc2 input is the SwiGLU output times the router probability (Megatron's order),
+  quantized per expert as well. Cached layers capture one `GroupedCaptureRecord` per layer and role.
+`prepare` rebuilds the prepared weights from the WeightStore's synced FP4 payloads (never per call).
+The dense parameters keep their dequantized values (the reference path, release/resume unchanged).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .capture import GroupedCaptureRecord
+from .weights import FP4_FORMATS, FP4Tensor
+
+MODES = ("auto", "on", "off")
+
+
+def kernels_wanted(setting, device: torch.device, dtype: torch.dtype, fmt: str) -> bool:
+    """Run the FP4 linears on the Triton kernels? setting: None (QRL_ROLLOUT_KERNELS, default auto), True /
+    'on' (forced: needs a GPU or TRITON_INTERPRET=1), False / 'off', 'auto' (CUDA with a bf16 model)."""
+    if setting is None:
+        setting = os.environ.get("QRL_ROLLOUT_KERNELS", "auto")
+    if isinstance(setting, bool):
+        setting = "on" if setting else "off"
+    setting = str(setting).lower()
+    if setting not in MODES:
+        raise ValueError(f"rollout kernels setting {setting!r}: use one of {MODES}")
+    if fmt not in FP4_FORMATS or setting == "off":
+        return False
+    from megatron_qrl.kernels import available
+
+    if setting == "on":
+        if not available():
+            raise RuntimeError("rollout kernels forced on but Triton cannot run here: use a CUDA device or set "
+                               "TRITON_INTERPRET=1 (before anything imports triton) for the CPU interpreter")
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and available()
+
+
+def prepare(payload: FP4Tensor, stack: Optional[list[FP4Tensor]] = None):
+    """PreparedFP4Weight of one synced FP4 weight, or of a stack of experts' weights ([E, N, K])."""
+    from megatron_qrl.kernels.layouts import prepare_mxfp4_weight, prepare_nvfp4_weight
+
+    parts = stack if stack is not None else [payload]
+    packed = torch.stack([p.packed for p in parts]) if stack is not None else payload.packed
+    scales = torch.stack([p.scales for p in parts]) if stack is not None else payload.scales
+    if payload.format == "nvfp4":
+        gs = (torch.stack([p.global_scale.reshape(()).float() for p in parts]) if stack is not None
+              else payload.global_scale)
+        return prepare_nvfp4_weight(packed, scales, gs)
+    return prepare_mxfp4_weight(packed, scales)
+
+
+def _dense_forward(lin, *, input, weight, bias=None, **_):
+    """The swapped `_forward_impl` of a quantized dense linear: (W4A4: fake-quant input) -> w4a16_gemm."""
+    from megatron_qrl.kernels.w4a16_gemm import w4a16_gemm
+
+    if lin.quant.activations and input.numel() > 0:
+        input = lin._quant_input(input)          # the linear's own hook: fused fake-quant, TRACE capture
+    y = w4a16_gemm(input, lin.kernel_weight)
+    return y + bias if bias is not None else y
+
+
+def _glu_is_swiglu(config) -> bool:
+    import torch.nn.functional as F
+
+    return (bool(config.gated_linear_unit) and config.activation_func is F.silu
+            and getattr(config, "activation_func_clamp_value", None) is None
+            and not getattr(config, "glu_linear_offset", 0.0) and not config.add_bias_linear
+            and not config.moe_apply_probs_on_input)
+
+
+class GroupedExperts:
+    """Replaces one SequentialMLP's forward: all experts of the layer in two grouped W4A16 launches."""
+
+    def __init__(self, mlp, layer: int, fmt: str, w4a4: bool):
+        self.mlp, self.layer, self.fmt, self.w4a4 = mlp, layer, fmt, w4a4
+        self.w13 = self.w2 = None
+        self.fc1_site = mlp.local_experts[0].linear_fc1.site
+        self.fc2_site = mlp.local_experts[0].linear_fc2.site
+
+    def _quant_rows(self, x: torch.Tensor, row_expert: torch.Tensor, num_experts: int, site, role: str):
+        """dequant(quant(x)) with each row's expert's dynamic global scale; captures when the site's sink is set."""
+        capture = site.capture_sink is not None
+        if self.fmt == "nvfp4":
+            amax_rows = x.detach().abs().amax(dim=-1).float()
+            amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
+            amax.scatter_reduce_(0, row_expert, amax_rows, reduce="amax", include_self=True)
+            gs_e = _global_scales(amax)
+            gs_rows = gs_e[row_expert].unsqueeze(-1).contiguous()
+            if capture:
+                from megatron_qrl.kernels.fp4_quant import nvfp4_quantize_triton
+                from megatron_qrl.quant import nvfp4_dequantize
+
+                packed, scales, _, bits = nvfp4_quantize_triton(x, gs_rows, capture=True, check_finite=False)
+                deq = nvfp4_dequantize(packed, scales, gs_rows, dtype=x.dtype)
+                site.capture_sink.append(GroupedCaptureRecord(self.layer, role, row_expert, packed, scales,
+                                                              gs_rows.reshape(-1), bits))
+                return deq
+            from megatron_qrl.kernels.fp4_fake_quant import nvfp4_fake_quant_triton
+
+            return nvfp4_fake_quant_triton(x, global_scale=gs_rows, check_finite=False)
+        if capture:
+            from megatron_qrl.kernels.fp4_quant import mxfp4_quantize_triton
+            from megatron_qrl.quant import mxfp4_dequantize
+
+            packed, scales, bits = mxfp4_quantize_triton(x, capture=True, check_finite=False)
+            site.capture_sink.append(GroupedCaptureRecord(self.layer, role, row_expert, packed, scales, None, bits))
+            return mxfp4_dequantize(packed, scales, dtype=x.dtype)
+        from megatron_qrl.kernels.fp4_fake_quant import mxfp4_fake_quant_triton
+
+        return mxfp4_fake_quant_triton(x, check_finite=False)
+
+    def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **_):
+        from dataclasses import replace
+
+        from megatron_qrl.kernels.moe_grouped_gemm import heuristic_moe_config, moe_align, moe_down, moe_gate_up
+
+        x = permuted_local_hidden_states
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n, dev = x.shape[0], x.device
+        e = self.w13.num_experts
+        if n == 0:
+            return x.new_zeros(shape), None
+        counts = torch.as_tensor(tokens_per_expert).to(device=dev, dtype=torch.int64)
+        row_expert = torch.repeat_interleave(torch.arange(e, device=dev), counts, output_size=n)
+        probs = permuted_probs.reshape(-1).float()
+        xb = x.to(torch.bfloat16)
+        f = self.w13.n // 2
+        gu = heuristic_moe_config(n, e, f, self.w13.k, True)
+        dn = heuristic_moe_config(n, e, self.w2.n, self.w2.k, False)
+        if self.w4a4:
+            # the fc2 input is quantized on its real value: no fp16-scaled intermediate
+            gu, dn = replace(gu, x_pre=False), replace(dn, x_pre=False)
+            xb = self._quant_rows(x, row_expert, e, self.fc1_site, "fc1").to(torch.bfloat16)
+        routing = moe_align(row_expert.unsqueeze(1), e, gu.block_m)
+        h = moe_gate_up(xb, self.w13, routing, gu)       # sorted (padded) rows
+        if self.w4a4:
+            pad = routing.sorted_ids.long()
+            valid = pad < n
+            src = torch.where(valid, pad, torch.zeros_like(pad))
+            # Megatron scales the SwiGLU output by the router probability before fc2 (rounded to bf16)
+            h = (h.float() * torch.where(valid, probs[src], torch.zeros_like(probs[src])).unsqueeze(-1)
+                 ).to(x.dtype)
+            # quantize the real rows in dispatch order (pads are zero rows and do not change any amax)
+            pos = torch.empty(n + 1, dtype=torch.int64, device=dev)
+            pos.scatter_(0, pad, torch.arange(pad.numel(), device=dev))
+            rows = pos[:n]
+            hq = torch.zeros(h.shape, dtype=torch.bfloat16, device=dev)
+            hq[rows] = self._quant_rows(h[rows].contiguous(), row_expert, e, self.fc2_site, "fc2").to(torch.bfloat16)
+            y = moe_down(hq, self.w2, routing, torch.ones_like(probs), dn)
+        else:
+            if h.dtype == torch.float16 and not (dn.fp16_dot and self.w2.fmt == "nvfp4"):
+                h = (h.float() * 256.0).to(torch.bfloat16)
+            y = moe_down(h, self.w2, routing, probs, dn)
+        return y.to(x.dtype).reshape(shape), None
+
+
+def _global_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Per-expert NVFP4 global scale amax / (6 * 448), the codec's rule (zero amax -> 1 / (6 * 448))."""
+    from megatron_qrl.quant.nvfp4 import E4M3_MAX, e2m1
+
+    a = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return a / torch.tensor(e2m1.E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
+
+
+class KernelLinears:
+    """Binds the engine model's quantized linears and expert MLPs to prepared FP4 weights and the kernels."""
+
+    def __init__(self, model: torch.nn.Module, quantized: set[str], fmt: str, w4a4: bool):
+        from megatron_qrl.models import fp4_linears
+
+        self.fmt = fmt
+        names = {id(m): n for n, m in model.named_modules()}
+        self.dense: dict[str, torch.nn.Module] = {}          # weight name -> linear
+        self.grouped: dict[str, GroupedExperts] = {}          # experts module name -> grouped runner
+        expert_mlps = {}
+        for lin in fp4_linears(model):
+            wname = f"{names[id(lin)]}.weight"
+            if wname not in quantized:
+                continue
+            if lin.site.expert is None:
+                self.dense[wname] = lin
+        for name, mod in model.named_modules():
+            if type(mod).__name__ == "QATSequentialMLP" or (hasattr(mod, "local_experts")
+                                                           and hasattr(mod, "num_local_experts")):
+                first = mod.local_experts[0].linear_fc1
+                if f"{names[id(first)]}.weight" in quantized:
+                    if not _glu_is_swiglu(mod.config):
+                        raise NotImplementedError("the grouped MoE kernels implement SwiGLU experts without bias; "
+                                                  "run this model with EmbeddedEngine(kernels='off')")
+                    expert_mlps[name] = mod
+        for name, mod in expert_mlps.items():
+            runner = GroupedExperts(mod, first_site_layer(mod), fmt, w4a4)
+            self.grouped[name] = runner
+        for lin in self.dense.values():
+            lin.kernel_weight = None
+            lin._forward_impl = _bound(lin)
+        for name, runner in self.grouped.items():
+            runner.mlp.forward = runner
+
+    def prepare(self, store) -> None:
+        """(Re)build every prepared weight from the store's synced payloads: once per weight sync."""
+        for wname, lin in self.dense.items():
+            lin.kernel_weight = prepare(store.entries[wname].to(lin.weight.device))
+        for name, runner in self.grouped.items():
+            n, dev = runner.mlp.num_local_experts, runner.mlp.local_experts[0].linear_fc1.weight.device
+            fc1 = [store.entries[f"{name}.local_experts.{j}.linear_fc1.weight"].to(dev) for j in range(n)]
+            fc2 = [store.entries[f"{name}.local_experts.{j}.linear_fc2.weight"].to(dev) for j in range(n)]
+            runner.w13, runner.w2 = prepare(fc1[0], fc1), prepare(fc2[0], fc2)
+
+    def drop(self) -> None:
+        """Free the prepared weights (release_memory); `prepare` rebuilds them."""
+        for lin in self.dense.values():
+            lin.kernel_weight = None
+        for runner in self.grouped.values():
+            runner.w13 = runner.w2 = None
+
+    def nbytes(self) -> int:
+        total = sum(lin.kernel_weight.nbytes() for lin in self.dense.values() if lin.kernel_weight is not None)
+        return total + sum(r.w13.nbytes() + r.w2.nbytes() for r in self.grouped.values() if r.w13 is not None)
+
+
+def first_site_layer(mlp) -> int:
+    return mlp.local_experts[0].linear_fc1.site.layer
+
+
+def _bound(lin):
+    def forward_impl(**kwargs):
+        return _dense_forward(lin, **kwargs)
+    return forward_impl
