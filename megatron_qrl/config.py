@@ -96,6 +96,8 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     max_batch_size: int = Field(256, ge=1, description="continuous batching: concurrent sequences")
+    max_generate_retries: int = Field(2, ge=0, description="engine failures per step: restart the engine, "
+                                      "re-sync weights and retry the batch this many times, then stop")
     seed: int = 0
     sglang_model_path: Optional[str] = Field(None, description="sglang: served checkpoint (NVFP4 ModelOpt export)")
     sglang_server_urls: list[str] = Field([], description="sglang disaggregated: server URLs")
@@ -165,6 +167,41 @@ class TraceConfig(_Section):
     fallback_shift: float = Field(0.25, ge=0, le=0.5, description="RTN fallback beyond this shift")
 
 
+# Megatron's names of the linears a LoRA adapter can wrap (megatron_qrl/models/lora.py): the fused q/k/v
+# projection, the attention output (o), the gate/up (fc1) and down (fc2) projections of dense and shared-expert
+# MLPs, and the same two of every routed expert.
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts.linear_fc1",
+                       "experts.linear_fc2")
+
+
+class LoRAConfig(_Section):
+    """QeRL mode: LoRA adapters over a frozen base held packed in FP4 (docs/lora.md). Every decoder linear then
+    keeps a frozen base (packed in base_format inside quant.targets, bf16 outside it); only the adapters (and
+    the RMSNorm weights with train_norms) get gradients, optimizer state and travel at each weight sync."""
+
+    enabled: bool = False
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0, description="adapter output scale is alpha / rank")
+    dropout: float = Field(0.0, description="must be 0: RL needs the trainer and rollout forwards to agree")
+    target_modules: list[str] = Field(list(LORA_TARGET_MODULES), description="linears that get adapters, any of "
+                                      + ", ".join(LORA_TARGET_MODULES))
+    train_norms: bool = Field(False, description="also train (and sync) every RMSNorm weight")
+    base_format: Literal["nvfp4", "mxfp4", "bf16"] = Field("nvfp4", description="storage of the frozen base")
+
+    @model_validator(mode="after")
+    def _targets(self):
+        if self.dropout != 0:
+            raise ValueError(f"lora.dropout ({self.dropout}) must be 0: a random adapter mask would make the "
+                             "trainer's forward differ from the rollout engine's; set lora.dropout=0")
+        unknown = [t for t in self.target_modules if t not in LORA_TARGET_MODULES]
+        if unknown:
+            raise ValueError(f"lora.target_modules has unknown names {unknown}; use any of "
+                             f"{list(LORA_TARGET_MODULES)}")
+        if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError("lora.target_modules must list at least one module, each once")
+        return self
+
+
 class R3Config(_Section):
     enabled: bool = True
 
@@ -198,7 +235,8 @@ class RunConfig(_Section):
                                            "hf-to-mcore` output) when the run has no checkpoint of its own")
     wandb_project: str = "megatron-qrl"
     wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
-    max_nonfinite_steps: int = Field(3, ge=1)
+    max_nonfinite_steps: int = Field(3, ge=1, description="NaN/Inf steps are skipped; more than this many in "
+                                     "a row write a checkpoint and stop the run")
     seed: int = 0
 
 
@@ -213,6 +251,7 @@ class QRLConfig(_Section):
     aqn: AQNConfig = AQNConfig()
     trace: TraceConfig = TraceConfig()
     r3: R3Config = R3Config()
+    lora: LoRAConfig = LoRAConfig()
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
 
@@ -258,6 +297,7 @@ class QRLConfig(_Section):
                 if shard % block:
                     errs.append(f"{name} ({size}, per TP shard {shard}) must be a multiple of the "
                                 f"{self.quant.format} block ({block}) for FP4 QAT; pad it or set quant.format=bf16")
+        errs.extend(self._lora_checks())
         nc = self.trace.num_cached_layers
         if nc is not None and nc > m.num_layers:
             errs.append(f"trace.num_cached_layers ({nc}) must be <= model.num_layers ({m.num_layers})")
@@ -281,6 +321,34 @@ class QRLConfig(_Section):
         if errs:
             raise ValueError("; ".join(errs))
         return self
+
+    def _lora_checks(self) -> list[str]:
+        """LoRA mode: the engine runs the trainer's frozen base bytes, so the formats must agree (docs/lora.md)."""
+        lo, q = self.lora, self.quant
+        if not lo.enabled:
+            return []
+        errs = []
+        if self.rollout.weights != lo.base_format:
+            errs.append(f"lora.base_format ({lo.base_format}) must equal rollout.weights ({self.rollout.weights}): "
+                        "the engine runs the trainer's frozen base bytes; set both to the same format")
+        if lo.base_format == "bf16" and q.qat and q.format != "bf16":
+            errs.append("lora.base_format=bf16 has no FP4 weights to train against: set quant.qat=false")
+        if lo.base_format != "bf16" and q.qat and q.format not in ("bf16", lo.base_format):
+            errs.append(f"quant.format ({q.format}) must equal lora.base_format ({lo.base_format}): with LoRA, "
+                        "quant.qat only fake-quantizes activations of the FP4 base's GEMM (its weights are FP4 "
+                        "already)")
+        if self.rollout.engine != "embedded":
+            errs.append("lora.enabled syncs adapters into the embedded engine only: set rollout.engine=embedded")
+        if lo.base_format != "bf16":
+            block = 16 if lo.base_format == "nvfp4" else 32
+            m, tp = self.model, self.trainer.tensor_parallel
+            for name, size in [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size",
+                               m.moe_ffn_hidden_size), ("model.ffn_hidden_size", m.ffn_hidden_size)]:
+                shard = size // (tp if name != "model.hidden_size" else 1)
+                if shard % block:
+                    errs.append(f"{name} ({size}, per TP shard {shard}) must be a multiple of the {lo.base_format} "
+                                f"block ({block}) for a packed LoRA base; pad it or set lora.base_format=bf16")
+        return errs
 
     def model_parallel_size(self) -> int:
         return self.trainer.tensor_parallel * self.trainer.pipeline_parallel

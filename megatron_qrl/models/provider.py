@@ -161,4 +161,8 @@ def build_model(cfg, config: Optional[TransformerConfig] = None) -> list:
         model.cuda(torch.cuda.current_device())
     chunks = [model]
     assign_sites(chunks, cfg)
+    if cfg.lora.enabled:  # adapters initialised per site, everything else frozen (models/lora.py)
+        from .lora import prepare_lora_model
+
+        prepare_lora_model(chunks, cfg)
     return chunks

@@ -85,11 +85,17 @@ def qwen3_moe_layer_spec(cfg, use_te: bool | None = None) -> ModuleSpec:
     expert_q = quant_settings(cfg.quant, "expert", shift)
     column = fp4_linear_class(FP4ColumnParallelLinear, dense_q)
     row = fp4_linear_class(FP4RowParallelLinear, dense_q)
-    dense_mlp = MLPSubmodules(linear_fc1=column, linear_fc2=row)
+    linears = {"linear_qkv": column, "linear_proj": row, "linear_fc1": column, "linear_fc2": row,
+               "experts.linear_fc1": fp4_linear_class(FP4ColumnParallelLinear, expert_q),
+               "experts.linear_fc2": fp4_linear_class(FP4RowParallelLinear, expert_q)}
+    if cfg.lora.enabled:  # QeRL mode: frozen (packed) base + adapters (models/lora.py)
+        from .lora import lora_linear_class
+
+        linears = {name: lora_linear_class(cls, name, cfg) for name, cls in linears.items()}
+    dense_mlp = MLPSubmodules(linear_fc1=linears["linear_fc1"], linear_fc2=linears["linear_fc2"])
 
     if cfg.model.num_experts:
-        experts = MLPSubmodules(linear_fc1=fp4_linear_class(FP4ColumnParallelLinear, expert_q),
-                                linear_fc2=fp4_linear_class(FP4RowParallelLinear, expert_q))
+        experts = MLPSubmodules(linear_fc1=linears["experts.linear_fc1"], linear_fc2=linears["experts.linear_fc2"])
         shared = (partial(SharedExpertMLP, submodules=dense_mlp)
                   if cfg.model.moe_shared_expert_ffn_hidden_size else None)
         mlp = partial(MoELayer, submodules=MoESubmodules(
@@ -105,9 +111,9 @@ def qwen3_moe_layer_spec(cfg, use_te: bool | None = None) -> ModuleSpec:
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=column,
+                    linear_qkv=linears["linear_qkv"],
                     core_attention=core_attention_class(use_te),
-                    linear_proj=row,
+                    linear_proj=linears["linear_proj"],
                     q_layernorm=RMSNorm if cfg.model.qk_layernorm else None,
                     k_layernorm=RMSNorm if cfg.model.qk_layernorm else None,
                 ),
