@@ -48,6 +48,7 @@ def train(cfg) -> dict:
             m["rollout/s"] = time.perf_counter() - t0
             batch = build_batch(samples, rollouts, s.tokenizer, cfg.rollout.group_size,
                                 cfg.rl.normalize_std, s.reward_fn, cfg.data.reward_time_limit_s)
+            s.guard.check_batch(batch, step)                               # NaN/Inf: the updates will skip
             guides, trace_m = s.trace.prepare(batch, step=step, version=step)             # TRACE cache
             s.engine_idle()                                                                # colocated
             logp_old = s.trainer.logprobs(trainer_batch(batch, guides))
@@ -56,7 +57,7 @@ def train(cfg) -> dict:
                                        cfg.rl.is_method, cfg.rl)
             for _ in range(cfg.rl.updates_per_batch):
                 train_m = s.trainer.train_step(trainer_batch(batch, guides, logp_old, weights), grpo_loss(cfg.rl))
-            m.update(s.step_metrics(batch, rollouts, m["rollout/s"]), **is_m, **trace_m,
+            m.update(s.step_metrics(batch, rollouts, m["rollout/s"]), **is_m, **trace_m, **s.guard.end_step(train_m),
                      **{s.train_key(k): v for k, v in train_m.items()})
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
                 m.update(evaluate(s.engine_ready(), s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens,
@@ -65,6 +66,7 @@ def train(cfg) -> dict:
                 save_checkpoint(s, step + 1)
             log.log(m, step=step)
             last = m
+            s.guard.stop_if_exhausted(save_checkpoint, step + 1)           # too many NaN steps: ckpt + stop
     if cfg.run.checkpoint_every and end % cfg.run.checkpoint_every:
         save_checkpoint(s, end)
     return last

@@ -5,6 +5,7 @@ data-parallel ranks, the trainer batch, resume / SFT warm start, checkpoints, st
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -15,12 +16,14 @@ import torch.distributed as dist
 from megatron_qrl.data import CharTokenizer, PromptBatches, build_datasets, task_reward
 from megatron_qrl.rollout.protocol import SamplingParams
 
+from .guards import StepGuard
 from .losses import sft_loss
 from .rollout_batch import RolloutBatch, encode_prompts, sft_batch
-from .run_state import latest_checkpoint, mark_latest, step_path
+from .run_state import complete_checkpoints, mark_latest, step_path
 from .trace_bridge import TraceBridge
 from .weight_sync import check_colocated_layout
 
+_log = logging.getLogger(__name__)
 # trainer stat names -> the metric names of docs/metrics.md
 _TRAIN_KEYS = {"grad_norm": "train/grad_norm", "lr": "train/lr", "time/train_step_s": "train/step_s"}
 
@@ -39,6 +42,7 @@ class RunSetup:
     dp_rank: int = 0
     dp_size: int = 1
     extra: dict = field(default_factory=dict)
+    guard: Optional[StepGuard] = None   # non-finite step skipping, engine restarts (guards.py)
 
     @classmethod
     def build(cls, cfg) -> "RunSetup":
@@ -55,8 +59,19 @@ class RunSetup:
         engine = EmbeddedEngine(cfg)
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
-        return cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
-                   trainer.dp_rank, trainer.dp_size)
+        s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
+                trainer.dp_rank, trainer.dp_size)
+        s.guard = StepGuard(s)
+        return s
+
+    def restart_engine(self) -> None:
+        """Replace a failed engine by a fresh one of the same kind (weights: sync_weights afterwards)."""
+        old, self.engine = self.engine, None
+        try:
+            old.release_memory()
+        except Exception:  # noqa: BLE001 - a broken engine may not even release cleanly
+            pass
+        self.engine = type(old)(self.cfg)
 
     def save_config(self) -> None:
         """The resolved config beside the checkpoints (rank 0, atomic)."""
@@ -111,10 +126,9 @@ def generate_shard(s: RunSetup, prompts: list, step: int):
     G = s.cfg.rollout.group_size
     per = -(-len(prompts) // s.dp_size)
     mine = prompts[s.dp_rank * per:(s.dp_rank + 1) * per]
-    engine = s.engine_ready()
     samples = [p for p in mine for _ in range(G)]
     sampling = s.sampling(step, index_offset=s.dp_rank * per * G)
-    rollouts = engine.generate(encode_prompts(s.tokenizer, samples), sampling) if samples else []
+    rollouts = s.guard.generate(encode_prompts(s.tokenizer, samples), sampling, step)  # restarts a failed engine
     if s.dp_size > 1:
         parts: list = [None] * s.dp_size  # data parallel only (check_colocated_layout): the DP group is WORLD
         dist.all_gather_object(parts, _to_bytes((samples, rollouts)))
@@ -151,13 +165,26 @@ def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Ten
 
 # ------------------------------------------------------------------------------ resume / warm start
 def resume_or_warm_start(s: RunSetup) -> int:
-    """Resume from the latest checkpoint (returns its step), else run the SFT warm start (returns 0)."""
+    """Resume from the newest complete checkpoint whose checksums verify (returns its step), else run the SFT
+    warm start (returns 0). A corrupt checkpoint is skipped with a warning (the next older one is used);
+    when every checkpoint is corrupt the run stops rather than silently start over."""
+    from megatron_qrl.trainer.checkpoint import CheckpointCorrupt
+
     cfg = s.cfg
-    latest = latest_checkpoint(cfg.run.output_dir) if cfg.run.resume else None
-    if latest is not None:
-        extra = s.trainer.load(str(latest))
+    candidates = complete_checkpoints(cfg.run.output_dir) if cfg.run.resume else []
+    for path in candidates:
+        try:
+            extra = s.trainer.load(str(path))
+        except CheckpointCorrupt as err:
+            _log.warning("skipping a corrupt checkpoint: %s", err)
+            s.extra.setdefault("corrupt_checkpoints", []).append(str(path))
+            continue
         s.prompts.load_state_dict(extra["data"])
         return int(extra["step"])
+    if candidates:
+        raise RuntimeError(f"every checkpoint in {cfg.run.output_dir}/checkpoints is corrupt "
+                           f"({', '.join(p.name for p in candidates)}); restore one from a copy, or start over with "
+                           "run.resume=false (or another run.output_dir)")
     if cfg.run.init_checkpoint:  # weights only (a converted HF model or another run's checkpoint)
         s.trainer.load(cfg.run.init_checkpoint, load_optimizer=False)
     if cfg.run.sft_steps:
@@ -195,7 +222,7 @@ def sft_warm_start(s: RunSetup) -> None:
 
 def save_checkpoint(s: RunSetup, step: int) -> str:
     path = step_path(s.cfg.run.output_dir, step)
-    if path.exists():
+    if path.exists() and str(path) not in s.extra.get("corrupt_checkpoints", ()):  # a corrupt one is rewritten
         return str(path)
     s.trainer.save(str(path), {"step": step, "data": s.prompts.state_dict()})
     if dist.get_rank() == 0:

@@ -11,6 +11,9 @@ Directory layout (one checkpoint = one directory):
 Atomicity: every rank writes into `<parent>/.<name>.tmp-<stamp>`; after all ranks finished (barrier)
 rank 0 writes the manifest last and renames the directory to `<path>` (a previous `<path>` is moved
 aside first and removed after the rename). A directory without manifest.json is never a checkpoint.
+Orphans of a killed save (`.*.tmp-*`, `.*.old-*`) are never read and are removed by the next save.
+Integrity: the manifest records the size and CRC32 of every file (the ranks split the hashing); `load`
+verifies them before touching the model and raises CheckpointCorrupt naming the first bad file.
 Loading under another TP/PP/EP layout works because Megatron describes each shard by its global
 offsets; the RNG states are then skipped (they belong to ranks that no longer exist).
 """
@@ -20,6 +23,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -29,6 +33,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_qrl import fault_inject
 from megatron_qrl.platform import cpu as cpu_shim
 
 FORMAT = "megatron-qrl-dist-ckpt-v1"
@@ -37,6 +42,10 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message says what to do."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose files are missing or do not match the manifest's sizes/checksums."""
 
 
 def _layout_dict(trainer) -> dict:
@@ -151,10 +160,83 @@ def read_manifest(path: str | Path) -> dict:
     if not p.is_file():
         raise CheckpointError(f"'{path}' is not a complete megatron-qrl checkpoint (no {MANIFEST}); it may be an "
                               "interrupted save: point to another checkpoint directory")
-    manifest = json.loads(p.read_text())
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"'{path}' has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    try:
+        manifest = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointCorrupt(f"'{path}': {MANIFEST} is not valid JSON ({err}); the checkpoint is damaged: "
+                                "use an earlier one") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"'{path}' has format {got!r}, expected {FORMAT!r}")
     return manifest
+
+
+def _data_files(root: Path) -> list[str]:
+    """Every file under a checkpoint directory (relative paths), the manifest excluded."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """Each rank hashes every world_size-th file, so a large checkpoint is read once, in parallel."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return names[rank::world]
+
+
+def _gather_dicts(local: dict) -> dict:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return local
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _checksums(root: Path, names: list[str]) -> dict:
+    """{file: {"size", "crc32"}} for `names`, computed by all ranks together (collective)."""
+    return _gather_dicts({n: {"size": (root / n).stat().st_size, "crc32": _crc32(root / n)}
+                          for n in _my_share(names)})
+
+
+def verify_checkpoint(path: str | Path, manifest: dict) -> None:
+    """Raise CheckpointCorrupt unless every file the manifest lists is present with its size and CRC32.
+
+    Collective when a process group is up (ranks split the files and agree on the verdict)."""
+    root = Path(path)
+    sums = manifest.get("checksums")
+    if sums is None:  # a checkpoint written before checksums existed: presence of the listed files only
+        sums = {n: None for n in manifest.get("files", []) if n != MANIFEST}
+    problems = {}
+    for name in _my_share(sorted(sums)):
+        f, want = root / name, sums[name]
+        if not f.is_file():
+            problems[name] = "missing"
+        elif want is not None and f.stat().st_size != want["size"]:
+            problems[name] = f"size {f.stat().st_size} != {want['size']} in the manifest"
+        elif want is not None and (got := _crc32(f)) != want["crc32"]:
+            problems[name] = f"crc32 {got} != {want['crc32']} in the manifest"
+    problems = _gather_dicts(problems)
+    if problems:
+        name = sorted(problems)[0]
+        raise CheckpointCorrupt(f"checkpoint '{path}' is corrupt: {name}: {problems[name]} ({len(problems)} bad "
+                                f"file(s)); it was damaged after it was written. Use an earlier checkpoint "
+                                "(resume falls back to one automatically) or restore this one from a copy")
+
+
+def _remove_orphans(parent: Path, keep: Path) -> None:
+    """Temporary/aside directories that a killed save left behind (never checkpoints: no rename happened)."""
+    import re
+
+    for d in parent.iterdir():
+        if d.is_dir() and d != keep and re.fullmatch(r"\..+\.(tmp|old)-\d+", d.name):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _in_process_results_queue() -> None:
@@ -185,6 +267,7 @@ def save(trainer, path: str | Path, extra_state: dict) -> str:
     tmp = path.parent / f".{path.name}.tmp-{stamp[0]}"
     if dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(path.parent, keep=tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
@@ -196,6 +279,13 @@ def save(trainer, path: str | Path, extra_state: dict) -> str:
     state["extra_state"] = extra_state
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
+    fault_inject.stall("stall_in_save", extra_state.get("step"), dist.get_rank())  # tests: kill -9 here
+    names = [None]
+    if dist.get_rank() == 0:
+        names = [_data_files(tmp)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(names, src=0)
+    checksums = _checksums(tmp, names[0])
 
     if dist.get_rank() == 0:
         import megatron.core
@@ -203,8 +293,11 @@ def save(trainer, path: str | Path, extra_state: dict) -> str:
         manifest = {"format": FORMAT, "megatron_core": megatron.core.__version__, "step": trainer.step,
                     "layout": _layout_dict(trainer), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "model": trainer.cfg.model.model_dump(), "quant": trainer.cfg.quant.model_dump(),
-                    "files": sorted(os.listdir(tmp))}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+                    "files": names[0], "checksums": checksums}
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
         old = path.parent / f".{path.name}.old-{stamp[0]}"
         if path.exists():
             path.rename(old)
@@ -219,6 +312,7 @@ def load(trainer, path: str | Path, load_optimizer: bool = True) -> dict:
     cpu_shim.install()
     path = Path(path).absolute()
     manifest = read_manifest(path)
+    verify_checkpoint(path, manifest)
     m = manifest.get("model", {})
     mine = trainer.cfg.model.model_dump()
     diff = [k for k in ("num_layers", "hidden_size", "num_experts", "vocab_size", "num_attention_heads",
