@@ -12,7 +12,8 @@ synchronisation; the table shows medians (also the minimum, and the median of th
 which waiting for other processes on a shared host does not inflate). capture overhead = median(mode) /
 median(off) - 1. All modes must produce identical tokens (capture does not change numerics); checked.
 One more generate() per mode with synchronised timers splits the time into the model forward, the
-capture post-processing (scatter_records), the rest of the engine step and the per-sequence assembly.
+capture post-processing (scatter_records), the rest of the engine step, the end-of-call collection (one
+device->host copy per captured tensor, `_collect`) and the per-sequence assembly.
 Cache (from the 'half' / 'all' rollouts): TraceCacheBuilder.build (sort, dedup, CRC32), to_bytes
 (serialize), from_bytes(verify=True) (decode + CRC check, what a receiving rank does), and on CUDA the
 host->device copy of the serialized cache from pinned memory: each as a fraction of the rollout time.
@@ -83,6 +84,7 @@ def breakdown(engine, prompts, sp, device) -> dict:
     engine.runner.forward = timed("forward", engine.runner.forward)      # instance attributes shadow methods
     engine._step = timed("step", engine._step)
     engine._to_sample = timed("to_sample", engine._to_sample)
+    engine._collect = timed("collect", engine._collect)
     try:
         _sync(device)
         t0 = time.perf_counter()
@@ -91,10 +93,10 @@ def breakdown(engine, prompts, sp, device) -> dict:
         total = time.perf_counter() - t0
     finally:
         emb.scatter_records = original
-        del engine.runner.forward, engine._step, engine._to_sample
+        del engine.runner.forward, engine._step, engine._to_sample, engine._collect
     return {"total_s": total, "forward_s": acc["forward"], "scatter_records_s": acc["scatter_records"],
-            "step_rest_s": acc["step"] - acc["forward"] - acc["scatter_records"], "to_sample_s": acc["to_sample"],
-            "scheduler_s": total - acc["step"] - acc["to_sample"]}
+            "step_rest_s": acc["step"] - acc["forward"] - acc["scatter_records"], "collect_s": acc["collect"],
+            "to_sample_s": acc["to_sample"], "scheduler_s": total - acc["step"] - acc["collect"] - acc["to_sample"]}
 
 
 def run(a) -> dict:
@@ -258,7 +260,7 @@ def table(res: dict) -> str:
                      f"| {c['bits_per_element']:.3f} | {c['build_s']:.4f} | {c['serialize_s']:.4f} "
                      f"| {c['decode_verify_s']:.4f} | {h2d} | {100 * tot / res['rollout_s'][m]:.1f}% |")
     if res.get("breakdown"):
-        parts = ["forward_s", "scatter_records_s", "step_rest_s", "to_sample_s", "scheduler_s"]
+        parts = ["forward_s", "scatter_records_s", "step_rest_s", "collect_s", "to_sample_s", "scheduler_s"]
         lines += ["", "one generate() with synchronised timers per part (s):", "",
                   "| mode | total | " + " | ".join(p[:-2] for p in parts) + " |", "|---" * (len(parts) + 2) + "|"]
         for m, b in res["breakdown"].items():
