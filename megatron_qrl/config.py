@@ -337,8 +337,9 @@ class QRLConfig(_Section):
             errs.append(f"quant.format ({q.format}) must equal lora.base_format ({lo.base_format}): with LoRA, "
                         "quant.qat only fake-quantizes activations of the FP4 base's GEMM (its weights are FP4 "
                         "already)")
-        if self.rollout.engine != "embedded":
-            errs.append("lora.enabled syncs adapters into the embedded engine only: set rollout.engine=embedded")
+        if self.rollout.engine != "embedded" or self.rollout.placement != "colocated":
+            errs.append("lora.enabled shares the frozen base with an in-process embedded engine: set "
+                        "rollout.engine=embedded and rollout.placement=colocated")
         if lo.base_format != "bf16":
             block = 16 if lo.base_format == "nvfp4" else 32
             m, tp = self.model, self.trainer.tensor_parallel

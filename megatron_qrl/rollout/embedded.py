@@ -102,8 +102,12 @@ class EmbeddedEngine:
         ro = cfg.rollout
         names = {id(m): n for n, m in self.model.named_modules()}
         quantized = []
+        from megatron_qrl.models.lora import configure_engine_linear, is_lora_linear
+
         for lin in fp4_linears(self.model):
-            if ro.weights in FP4_FORMATS and rollout_quantized(lin.site, cfg.quant.targets):
+            if is_lora_linear(lin):  # QeRL mode: frozen base shared with the trainer, not a parameter (lora_sync)
+                lin.quant = configure_engine_linear(lin, cfg)
+            elif ro.weights in FP4_FORMATS and rollout_quantized(lin.site, cfg.quant.targets):
                 # weights arrive as FP4 values already; inputs are quantized only in W4A4
                 lin.quant = QuantSettings(format=ro.weights, weights=False, activations=ro.scheme == "w4a4",
                                           fallback_shift=cfg.trace.fallback_shift)

@@ -1,0 +1,102 @@
+"""Trainer -> engine sync in QeRL mode (lora.enabled): the frozen base once, then only adapters (+ norms).
+
+First sync: every engine LoRA linear is pointed at the trainer's packed base buffers (the same tensors when
+trainer and engine share a device -- colocated placement holds ONE copy of the base -- a copy otherwise),
+their digests are recorded, and every parameter (adapters, embeddings, LM head, router, norms, bf16-base
+linears) goes through the engine's digest-checked `update_weights` once, so the engine refuses nothing
+partial. Every later sync sends only the parameters that train (lora_A / lora_B, and the RMSNorm weights
+with lora.train_norms) with a digest each; `sync/base_ok` checks that no base tensor was replaced or written
+since the first sync (its storage and version counter), tests/test_lora.py checks the bytes by hash.
+The engine applies adapters as a separate low-rank path (docs/lora.md says why not merged). AQN noise is
+drawn exactly as in weight_sync (engine norm = trainer norm + fresh Z; the trainer too with apply_to=both).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_qrl.models import clear_aqn_noise, set_aqn_noise
+from megatron_qrl.models.lora import BASE_BUFFERS, lora_linears
+from megatron_qrl.rl import aqn_sigma
+from megatron_qrl.rollout.protocol import WeightUpdateError
+from megatron_qrl.rollout.weights import payload_digest, tensor_digest
+
+from .weight_sync import aqn_seed, unwrap
+
+
+def named_lora_linears(chunks: list) -> dict:
+    out = {}
+    for chunk in chunks:
+        names = {id(m): n for n, m in chunk.named_modules()}
+        out.update({names[id(lin)]: lin for lin in lora_linears(chunk)})
+    return out
+
+
+def base_digests(chunks: list) -> dict[str, str]:
+    """sha256 of every packed base tensor ('<linear>.base_packed', ...): the frozen-base fingerprint."""
+    return {f"{name}.{key}": tensor_digest(t) for name, lin in named_lora_linears(chunks).items()
+            for key, t in lin.base_tensors().items() if key in BASE_BUFFERS}
+
+
+def link_base(engine, chunks: list) -> dict[str, str]:
+    """Give the engine's LoRA linears the trainer's packed base (shared storage on the same device)."""
+    src, dst = named_lora_linears(chunks), named_lora_linears([engine.model])
+    if set(src) != set(dst):
+        raise WeightUpdateError(f"trainer and engine LoRA linears differ ({len(src)} vs {len(dst)}); build both "
+                                "from the same config")
+    digests, state = {}, []
+    for name, s in src.items():
+        d = dst[name]
+        if (s.base_format, s.lora_rank) != (d.base_format, d.lora_rank):
+            raise WeightUpdateError(f"'{name}': trainer base {s.base_format}/rank {s.lora_rank}, engine "
+                                    f"{d.base_format}/rank {d.lora_rank}")
+        for key, t in s.base_tensors().items():
+            if key not in BASE_BUFFERS:
+                continue  # a bf16 base is a (frozen) parameter: it travels with the first update_weights
+            device = getattr(d, key).device
+            shared = t if t.device == device else t.to(device)
+            digest = tensor_digest(t)
+            if shared is not t and tensor_digest(shared) != digest:
+                raise WeightUpdateError(f"'{name}.{key}': base bytes changed in transfer")
+            setattr(d, key, shared)
+            d._base_cache = None
+            digests[f"{name}.{key}"] = digest
+            state.append((shared, shared.data_ptr(), shared._version))
+    engine.lora_base_digests = digests
+    engine.lora_base_state = state
+    return digests
+
+
+def base_unchanged(engine) -> bool:
+    """Cheap per-sync audit: no base tensor was swapped or written in place since it was linked."""
+    return all(t.data_ptr() == ptr and t._version == v for t, ptr, v in engine.lora_base_state)
+
+
+def sync_lora(engine, trainer, cfg, step: int, version: int) -> dict:
+    """QeRL-mode sync_weights: adapters (+ norms) with digests, the base linked once; then this step's AQN draw."""
+    if not hasattr(engine, "model") or not hasattr(engine, "store"):
+        raise ValueError("lora.enabled syncs into an in-process embedded engine (rollout.engine=embedded, "
+                         "rollout.placement=colocated)")
+    t0 = time.perf_counter()
+    chunks = list(trainer.unwrapped)
+    first = getattr(engine, "lora_base_digests", None) is None
+    if first:
+        link_base(engine, chunks)
+    named = [(n, p) for c in chunks for n, p in c.named_parameters() if first or p.requires_grad]
+    weights = {n: p.detach() for n, p in named}
+    hashes = {n: payload_digest(w) for n, w in weights.items()}
+    engine.update_weights(weights, version, hashes)
+    held = engine.store.digests
+    hash_ok = float(all(held.get(n) == h for n, h in hashes.items()))
+    sigma = aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
+    seed = aqn_seed(cfg.run.seed, step)
+    engine.set_aqn_noise(sigma, seed)
+    if cfg.aqn.enabled and cfg.aqn.apply_to == "both":
+        set_aqn_noise(unwrap(trainer.model), sigma, generator=torch.Generator().manual_seed(seed))
+    else:
+        clear_aqn_noise(unwrap(trainer.model))
+    base_bytes = sum(t.numel() * t.element_size() for t, _, _ in engine.lora_base_state)
+    return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": hash_ok, "sync/tensors": float(len(hashes)),
+            "sync/bytes": float(sum(w.numel() * w.element_size() for w in weights.values())),
+            "sync/base_bytes": float(base_bytes), "sync/base_ok": float(base_unchanged(engine)), "aqn/sigma": sigma}
