@@ -94,3 +94,15 @@ def test_arm_overrides_share_the_seed_checkpoint(tmp_path):
     from megatron_qrl.config import load_config
     for ov in ovs.values():  # every arm is a valid config
         load_config(str(evidence.BASE), ov)
+
+
+def test_paired_differences_per_seed(campaign):
+    root, finals = campaign
+    runs = evidence.collect(root, ["a", "b"], [0, 1, 2], last_n=3)
+    d = evidence.paired_diffs(runs, ref="a")
+    per_seed = [b - a for a, b in zip(finals["a"], finals["b"])]        # -0.25, +0.15, -0.20
+    assert d["b"]["n"] == 3
+    assert d["b"]["final_eval"] == pytest.approx((statistics.mean(per_seed), statistics.stdev(per_seed)))
+    assert d["b"]["reward_last"] == pytest.approx((0.0, 0.0))         # same rewards in both arms
+    assert "a" not in d
+    assert "| b | 3 | -0.100 ± 0.218 |" in evidence.diffs_table(d, "a", 3)

@@ -260,6 +260,20 @@ def aggregate(runs: dict) -> dict:
     return table
 
 
+def paired_diffs(runs: dict, ref: str, keys: Sequence[str] = ("final_eval", "reward_last")) -> dict:
+    """{arm: {key: (mean, std) over seeds of arm - ref}} on the seeds both finished. Arms of one seed share
+    the SFT start, the prompts and the sampling seeds (common random numbers), so the per-seed difference
+    is far less noisy than comparing two arms' spreads over seeds."""
+    out = {}
+    for arm, by_seed in runs.items():
+        if arm == ref or ref not in runs:
+            continue
+        common = sorted(set(by_seed) & set(runs[ref]))
+        out[arm] = {"n": len(common), **{k: mean_std([by_seed[s][k] - runs[ref][s][k] for s in common])
+                                          for k in keys}}
+    return out
+
+
 def _fmt(ms: tuple[float, float], digits: int = 3, sci: bool = False) -> str:
     m, sd = ms
     if math.isnan(m):
@@ -287,6 +301,14 @@ def markdown_table(table: dict, last_n: int, baseline: Optional[dict] = None) ->
         start = [_fmt(baseline[arm])] if baseline else []
         lines.append(f"| {arm} | " + " | ".join(start + [_fmt(r["eval_steps"].get(s, (math.nan, math.nan)))
                                                             for s in steps]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def diffs_table(diffs: dict, ref: str, last_n: int) -> str:
+    lines = [f"| arm - {ref} (paired per seed) | seeds | held-out accuracy | reward (last {last_n} steps) |",
+             "|---|---|---|---|"]
+    for arm, d in diffs.items():
+        lines.append(f"| {arm} | {d['n']} | {_fmt(d['final_eval'])} | {_fmt(d['reward_last'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,11 +364,14 @@ def plot_curves(runs: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
     return paths
 
 
-def write_outputs(root: Path, out_dir: Path, arms: dict, seeds: Sequence[int], last_n: int) -> str:
+def write_outputs(root: Path, out_dir: Path, arms: dict, seeds: Sequence[int], last_n: int,
+                  ref: str = "nvfp4") -> str:
     runs = collect(root, list(arms), seeds, last_n)
     table = aggregate(runs)
     baseline = sft_baseline(root, seeds, arms)
     md = markdown_table(table, last_n, baseline)
+    if ref in runs:
+        md += "\n" + diffs_table(paired_diffs(runs, ref), ref, last_n)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(md)
     _write_json(out_dir / "summary.json", {"runs": runs, "seeds": list(seeds), "last_n": last_n})
