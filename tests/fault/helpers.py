@@ -14,7 +14,7 @@ OVERRIDES = ["run.eval_every=0", "rollout.prompts_per_step=4", "rollout.group_si
              "rollout.scheme=w4a16", "trace.enabled=false", "trainer.micro_batch_size=4", "run.sft_steps=2",
              "run.wandb_mode=disabled"]
 # wall-clock quantities differ between any two runs; fault/* counters differ by design
-NOT_COMPARED = ("time/", "rollout/s", "rollout/tokens_per_s", "sync/s", "train/step_s", "fault/", "trace/s")
+NOT_COMPARED = ("time", "rollout/s", "rollout/tokens_per_s", "sync/s", "train/step_s", "fault/", "trace/s")
 
 
 def free_port() -> int:
