@@ -227,7 +227,9 @@ def summarize_run(records: list[dict], last_n: int) -> dict:
     out = {"steps": len(records), "eval": evals,
            "final_eval": evals[max(evals)] if evals else math.nan,
            "reward_last": sum(rewards[-last_n:]) / len(rewards[-last_n:]) if rewards else math.nan,
-           "reward": {int(r["step"]): float(r["reward/mean"]) for r in records if finite([r.get("reward/mean")])}}
+           "reward": {int(r["step"]): float(r["reward/mean"]) for r in records if finite([r.get("reward/mean")])},
+           "mismatch": {int(r["step"]): float(r["mismatch/logp_abs_diff"]) for r in records
+                        if finite([r.get("mismatch/logp_abs_diff")])}}
     for key, _ in RUN_MEANS:
         vals = finite(r.get(key) for r in records)
         out[key] = sum(vals) / len(vals) if vals else math.nan
@@ -323,8 +325,8 @@ def sft_baseline(root: Path, seeds: Sequence[int], arms: dict) -> Optional[dict]
 
 
 def plot_curves(runs: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
-    """reward.png (training reward, moving mean over `smooth` steps) and eval_accuracy.png: per arm the mean
-    over seeds with a ±1 std band."""
+    """reward.png (training reward, moving mean over `smooth` steps), eval_accuracy.png and mismatch.png: per
+    arm the mean over seeds with a ±1 std band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -334,7 +336,9 @@ def plot_curves(runs: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
     paths = []
     for name, key, title, ylabel in (("reward", "reward", f"training reward (moving mean over {smooth} steps)",
                                       "reward/mean"),
-                                     ("eval_accuracy", "eval", "held-out accuracy (greedy)", "accuracy")):
+                                     ("eval_accuracy", "eval", "held-out accuracy (greedy)", "accuracy"),
+                                     ("mismatch", "mismatch", "|logp_train - logp_rollout| per token",
+                                      "nats/token (log scale)")):
         fig, ax = plt.subplots(figsize=(7, 4))
         for arm, by_seed in runs.items():
             steps = sorted(set().union(*(s[key] for s in by_seed.values())))
@@ -351,6 +355,8 @@ def plot_curves(runs: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
                               lw=1.3)
             ax.fill_between(steps, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
                             color=line.get_color(), alpha=0.12)
+        if key == "mismatch":
+            ax.set_yscale("log")
         ax.set_title(f"{title}: mean ± std over seeds", fontsize=10)
         ax.set_xlabel("RL step")
         ax.set_ylabel(ylabel)
