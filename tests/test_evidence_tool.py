@@ -64,7 +64,7 @@ def test_table_means_and_sample_stds(campaign):
     row_b = next(line for line in md.splitlines() if line.startswith("| b | 3 |"))
     assert f"{statistics.mean(finals['b']):.3f} ± {statistics.stdev(finals['b']):.3f}" in row_b  # 0.500 ± 0.250
     row_a = next(line for line in md.splitlines() if line.startswith("| a | 3 |"))
-    assert "| - | - |" in row_a                                              # no TRACE columns for a
+    assert "| - | - | - | - |" in row_a                                      # no TRACE, AIS, IS columns for a
 
 
 def test_mean_std_edge_cases():

@@ -35,6 +35,8 @@ DONE = "DONE"
 RUN_MEANS = (("mismatch/logp_abs_diff", "mismatch/logp_abs_diff"),
              ("trace/code_mismatch_before", "trace code mismatch before"),
              ("trace/code_mismatch_after", "trace code mismatch after"),
+             ("ais/alpha", "ais/alpha"),
+             ("is/truncated_frac", "is/truncated_frac"),
              ("rollout/tokens_per_s", "rollout tokens/s"),
              ("train/step_s", "train/step_s"))
 
@@ -287,13 +289,14 @@ def _fmt(ms: tuple[float, float], digits: int = 3, sci: bool = False) -> str:
 def markdown_table(table: dict, last_n: int, baseline: Optional[dict] = None) -> str:
     """The headline table (mean ± sample std over seeds) and the eval accuracy at every eval step."""
     lines = [f"| arm | seeds | held-out accuracy (final) | reward (last {last_n} steps) | mismatch/logp_abs_diff "
-             "| trace code mismatch before | after | rollout tokens/s | train/step_s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| trace code mismatch before | after | ais/alpha | is/truncated_frac | rollout tokens/s | train/step_s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in table.items():
         lines.append(f"| {arm} | {r['n']} | {_fmt(r['final_eval'])} | {_fmt(r['reward_last'])} | "
                      f"{_fmt(r['mismatch/logp_abs_diff'], sci=True)} | "
                      f"{_fmt(r['trace/code_mismatch_before'], sci=True)} | "
-                     f"{_fmt(r['trace/code_mismatch_after'], sci=True)} | {_fmt(r['rollout/tokens_per_s'], 0)} | "
+                     f"{_fmt(r['trace/code_mismatch_after'], sci=True)} | {_fmt(r['ais/alpha'], sci=True)} | "
+                     f"{_fmt(r['is/truncated_frac'], sci=True)} | {_fmt(r['rollout/tokens_per_s'], 0)} | "
                      f"{_fmt(r['train/step_s'], 2)} |")
     steps = sorted(set().union(*(r["eval_steps"] for r in table.values()))) if table else []
     head = ["SFT start"] if baseline else []
