@@ -176,7 +176,9 @@ def _rows_of(items: list, layer: int, role: str, fmt: str, keep_codes: bool, dev
     counts = [flat2(r.bits).shape[0] for _, r in items]
     rows = {"bits": torch.cat([flat2(r.bits) for _, r in items]),
             "scales": torch.cat([_bytes_view(flat2(r.scales)) for _, r in items]).view(items[0][1].scales.dtype),
-            "experts": torch.repeat_interleave(torch.tensor(experts), torch.tensor(counts)).to(device)}
+            # built on the device from host lists (no CPU tensor ops, no synchronisation)
+            "experts": torch.repeat_interleave(torch.tensor(experts, device=device), torch.tensor(counts, device=device),
+                                               output_size=sum(counts))}
     if fmt == "nvfp4":
         rows["global_scale"] = torch.cat([r.global_scale.float().reshape(1).expand(c)
                                           for (_, r), c in zip(items, counts)])
