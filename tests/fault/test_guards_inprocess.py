@@ -139,3 +139,29 @@ def test_checkpoint_checksums_catch_a_flipped_byte_and_a_missing_file(s, tmp_pat
     (path / "manifest.json").write_text('{"format": "megatron-qrl-dist-ckpt-v1", "files": [')
     with pytest.raises(CheckpointCorrupt, match="not valid JSON"):
         s.trainer.load(str(path))
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_a_partial_one(s, tmp_path, monkeypatch):
+    from megatron_qrl.pipeline import resume_or_warm_start, save_checkpoint
+
+    monkeypatch.setattr(s.cfg.run, "output_dir", str(tmp_path))
+    ckpts = tmp_path / "checkpoints"
+    save_checkpoint(s, 50)
+    save_checkpoint(s, 51)
+    (ckpts / ".step_000052.tmp-123").mkdir()  # a killed save: files, no manifest, never a candidate
+    (ckpts / ".step_000052.tmp-123" / "__0_0.distcp").write_bytes(b"partial")
+    victim = ckpts / "step_000051" / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    s.extra.pop("corrupt_checkpoints", None)
+    assert resume_or_warm_start(s) == 50  # the newest *intact* checkpoint
+    assert s.extra["corrupt_checkpoints"] == [str(ckpts / "step_000051")]
+    save_checkpoint(s, 51)  # the corrupt one is rewritten, the orphan removed
+    assert not (ckpts / ".step_000052.tmp-123").exists()
+    s.extra.pop("corrupt_checkpoints")
+    assert resume_or_warm_start(s) == 51
+    for step in (50, 51):
+        (ckpts / f"step_{step:06d}" / "__0_0.distcp").write_bytes(b"garbage")
+    with pytest.raises(RuntimeError, match="every checkpoint .* is corrupt .* run.resume=false"):
+        resume_or_warm_start(s)
