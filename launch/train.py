@@ -7,7 +7,6 @@ small modules (megatron_qrl.pipeline, .trainer, .rollout, .rl, .trace).
 from __future__ import annotations
 
 import argparse
-import time
 
 from megatron_qrl.config import load_config
 
@@ -26,42 +25,44 @@ def train(cfg) -> dict:
     """Run (or resume) an RL job; returns the last step's metrics."""
     from megatron_qrl.launch.dist_env import discover
     from megatron_qrl.logging import MetricsLogger, progress_bar
-    from megatron_qrl.pipeline import (RunSetup, build_batch, evaluate, generate_shard, grpo_loss,
-                                       resume_or_warm_start, save_checkpoint, sync_weights, trainer_batch)
+    from megatron_qrl.pipeline import (RunSetup, build_batch, grpo_loss, resume_or_warm_start, save_checkpoint,
+                                       serve_rollouts, trainer_batch)
+    from megatron_qrl.platform import Placement
     from megatron_qrl.rl import is_weights
 
     env = discover()
     if env.launcher != "single":          # a lone process lets init_process_group pick a free port
         env.export()
-    cfg.check_world_size(env.world_size)
-    s = RunSetup.build(cfg)                       # trainer, engine, tokenizer, data, reward, TRACE bridge
+    cfg.check_world_size(Placement.from_config(cfg, env.world_size).num_trainers)
+    s = RunSetup.build(cfg)                       # trainer, engine(s), tokenizer, data, reward, TRACE bridge
     s.save_config()                               # runs/NAME/config.yaml: what `qrl eval` reloads
     start = resume_or_warm_start(s)
     last: dict = {}
     end = min(cfg.run.total_steps, start + (cfg.run.stop_after_steps or cfg.run.total_steps))
+    r = s.rollouts                                # this rank's engine, or engine ranks elsewhere
+    if r is None:                                 # a disaggregated job's engine rank: serve the trainers
+        serve_rollouts(s, s.placement, start, end)
+        return last
     with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log:
         for step in progress_bar(range(start, end), total=cfg.run.total_steps, initial=start,
                                  desc="RL", rank=env.rank, unit="step"):
-            m = sync_weights(s.engine_ready(), s.trainer, cfg, step, version=step)            # FP4 bytes + AQN
-            t0 = time.perf_counter()
-            samples, rollouts = generate_shard(s, next(s.prompts), step)                   # all DP ranks
-            m["rollout/s"] = time.perf_counter() - t0
+            m = r.sync(step)                                                   # FP4 bytes + digests, AQN draw
+            samples, rollouts, gen_m = r.generate(next(s.prompts), step)       # the whole batch on every rank
             batch = build_batch(samples, rollouts, s.tokenizer, cfg.rollout.group_size,
                                 cfg.rl.normalize_std, s.reward_fn, cfg.data.reward_time_limit_s)
             s.guard.check_batch(batch, step)                               # NaN/Inf: the updates will skip
-            guides, trace_m = s.trace.prepare(batch, step=step, version=step)             # TRACE cache
-            s.engine_idle()                                                                # colocated
+            guides, trace_m = r.trace(batch, step)                             # this rank's TRACE cache
+            r.idle()                                                           # colocated: free engine memory
             logp_old = s.trainer.logprobs(trainer_batch(batch, guides))
             trace_m = {**s.trace.after_logprobs(), **trace_m}                             # code mismatch
             weights, is_m = is_weights(logp_old, batch.logp_rollout, batch.advantages, batch.loss_mask,
                                        cfg.rl.is_method, cfg.rl)
             for _ in range(cfg.rl.updates_per_batch):
                 train_m = s.trainer.train_step(trainer_batch(batch, guides, logp_old, weights), grpo_loss(cfg.rl))
-            m.update(s.step_metrics(batch, rollouts, m["rollout/s"]), **is_m, **trace_m, **s.guard.end_step(train_m),
-                     **{s.train_key(k): v for k, v in train_m.items()})
+            m.update(s.step_metrics(batch, rollouts, gen_m["rollout/s"]), **gen_m, **is_m, **trace_m,
+                     **s.guard.end_step(train_m), **{s.train_key(k): v for k, v in train_m.items()})
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
-                m.update(evaluate(s.engine_ready(), s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens,
-                                  s.reward_fn, cfg.data.reward_time_limit_s))
+                m.update(r.evaluate(step))
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 save_checkpoint(s, step + 1)
             log.log(m, step=step)

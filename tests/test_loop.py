@@ -85,3 +85,53 @@ def test_qrl_eval_reports_heldout_accuracy_of_a_checkpoint(reference, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.evaluate", str(tmp_path / "missing")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "is not a directory" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------ disaggregated
+# W4A4 rollouts with TRACE: one engine rank generates exactly what the single process's engine does, and
+# the TRACE cache reaches the trainer over torch.distributed (trace.exchange) instead of staying local.
+DISAGG = ["rollout.scheme=w4a4", "trace.enabled=true", "run.eval_every=2"]
+DISAGG_EXACT = EXACT + ["trace/code_mismatch_before", "trace/code_mismatch_after", "trace/cache_bytes",
+                        "eval/accuracy", "train/loss", "mismatch/logp_abs_diff", "r3/router_agreement"]
+
+
+@pytest.fixture(scope="module")
+def traced_reference(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("single_traced"), steps=3, extra=DISAGG)
+
+
+def test_disaggregated_trainer_and_engine_ranks_match_one_process(traced_reference, tmp_path):
+    """Rank 0 trains, rank 1 serves rollouts (rollout.placement=disaggregated): same metrics stream."""
+    out = tmp_path / "disagg"
+    got = _train(out, steps=3, nproc=2, extra=DISAGG + ["rollout.placement=disaggregated"])
+    assert [m["step"] for m in got] == [0, 1, 2]
+    for ref, m in zip(traced_reference, got):
+        for k in DISAGG_EXACT:
+            if k in ref:
+                assert m[k] == ref[k], k
+        assert m["trace/transfer_s"] > 0 and m["sync/hash_ok"] == 1.0
+    assert got[1]["trace/code_mismatch_before"] > 0 and got[1]["trace/code_mismatch_after"] == 0
+    assert "eval/accuracy" in got[1]                      # scored by the engine rank, logged by the trainer
+    # the engine rank joined the collective checkpoint writes: complete checkpoints, manifest world = trainers
+    manifest = json.loads((out / "checkpoints" / "step_000003" / "manifest.json").read_text())
+    assert manifest["layout"]["world_size"] == 1
+
+
+def test_disaggregated_run_resumes_with_engine_ranks(traced_reference, tmp_path):
+    out = tmp_path / "disagg_resume"
+    extra = DISAGG + ["rollout.placement=disaggregated"]
+    _train(out, steps=3, nproc=2, extra=extra + ["run.stop_after_steps=2"])
+    metrics = _train(out, steps=3, nproc=2, extra=extra)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for k in DISAGG_EXACT:
+        if k in traced_reference[2]:
+            assert metrics[2][k] == traced_reference[2][k], k
+
+
+def test_disaggregated_needs_a_trainer_rank(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.train", "--config",
+                        str(ROOT / "configs/tiny_cpu.yaml"), f"run.output_dir={tmp_path}",
+                        "rollout.placement=disaggregated"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "leaves no trainer rank" in r.stderr

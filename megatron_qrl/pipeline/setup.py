@@ -21,7 +21,7 @@ from .losses import sft_loss
 from .rollout_batch import RolloutBatch, encode_prompts, sft_batch
 from .run_state import complete_checkpoints, mark_latest, step_path
 from .trace_bridge import TraceBridge
-from .weight_sync import check_colocated_layout
+from .weight_sync import check_rl_layout
 
 _log = logging.getLogger(__name__)
 # trainer stat names -> the metric names of docs/metrics.md
@@ -42,27 +42,49 @@ class RunSetup:
     dp_rank: int = 0
     dp_size: int = 1
     extra: dict = field(default_factory=dict)
+    placement: Any = None               # megatron_qrl.platform.Placement: which ranks train / generate
+    rollouts: Any = None                # the loop's rollout interface (rollout_service.py)
     guard: Optional[StepGuard] = None   # non-finite step skipping, engine restarts (guards.py)
 
     @classmethod
     def build(cls, cfg) -> "RunSetup":
+        from megatron_qrl.platform import Placement, init_distributed
+        from megatron_qrl.platform.distributed import init_process_group
         from megatron_qrl.rollout.embedded import EmbeddedEngine
         from megatron_qrl.trainer import Trainer
 
-        check_colocated_layout(cfg)
+        from .rollout_service import build_rollouts
+
+        check_rl_layout(cfg)
+        # disaggregated: engines wait in a collective while the trainers run the SFT warm start
+        init_process_group(timeout_minutes=120 if cfg.rollout.placement == "disaggregated" else 10)
+        place = Placement.from_config(cfg, dist.get_world_size())
         tokenizer = CharTokenizer()
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
                              f"{tokenizer.vocab_size} ids; set model.vocab_size >= {tokenizer.vocab_size}")
         train_set, eval_set = build_datasets(cfg.data)
-        trainer = Trainer(cfg)
-        engine = EmbeddedEngine(cfg)
+        me = dist.get_rank()   # disaggregated: trainer ranks hold no engine, engine ranks no trainer
+        trainer = Trainer(cfg) if place.is_trainer(me) else None
+        if trainer is None:
+            init_distributed(cfg)           # the engine rank's one-rank Megatron world
+        engine = EmbeddedEngine(cfg) if place.is_engine(me) else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
         s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
-                trainer.dp_rank, trainer.dp_size)
-        s.guard = StepGuard(s)
+                trainer.dp_rank if trainer else 0, trainer.dp_size if trainer else 1)
+        s.placement = place
+        s.rollouts = build_rollouts(s, place)
+        s.guard = StepGuard(s) if trainer is not None else None   # engine ranks of a disaggregated job: none
         return s
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
+        """The trainer's load; an engine rank of a disaggregated job joins the collective read (extra state only)."""
+        from megatron_qrl.trainer import checkpoint as ckpt
+
+        if self.trainer is None:
+            return ckpt.load(None, path, load_optimizer)
+        return self.trainer.load(path, load_optimizer=load_optimizer)
 
     def restart_engine(self) -> None:
         """Replace a failed engine by a fresh one of the same kind (weights: sync_weights afterwards)."""
@@ -130,7 +152,7 @@ def generate_shard(s: RunSetup, prompts: list, step: int):
     sampling = s.sampling(step, index_offset=s.dp_rank * per * G)
     rollouts = s.guard.generate(encode_prompts(s.tokenizer, samples), sampling, step)  # restarts a failed engine
     if s.dp_size > 1:
-        parts: list = [None] * s.dp_size  # data parallel only (check_colocated_layout): the DP group is WORLD
+        parts: list = [None] * s.dp_size  # colocated, data parallel only (check_rl_layout): the DP group is WORLD
         dist.all_gather_object(parts, _to_bytes((samples, rollouts)))
         parts = [_from_bytes(p) for p in parts]
         samples = [x for p in parts for x in p[0]]
@@ -174,7 +196,7 @@ def resume_or_warm_start(s: RunSetup) -> int:
     candidates = complete_checkpoints(cfg.run.output_dir) if cfg.run.resume else []
     for path in candidates:
         try:
-            extra = s.trainer.load(str(path))
+            extra = s.load_checkpoint(str(path))
         except CheckpointCorrupt as err:
             _log.warning("skipping a corrupt checkpoint: %s", err)
             s.extra.setdefault("corrupt_checkpoints", []).append(str(path))
@@ -186,8 +208,8 @@ def resume_or_warm_start(s: RunSetup) -> int:
                            f"({', '.join(p.name for p in candidates)}); restore one from a copy, or start over with "
                            "run.resume=false (or another run.output_dir)")
     if cfg.run.init_checkpoint:  # weights only (a converted HF model or another run's checkpoint)
-        s.trainer.load(cfg.run.init_checkpoint, load_optimizer=False)
-    if cfg.run.sft_steps:
+        s.load_checkpoint(cfg.run.init_checkpoint, load_optimizer=False)
+    if cfg.run.sft_steps and s.trainer is not None:
         sft_warm_start(s)
     return 0
 
@@ -224,7 +246,13 @@ def save_checkpoint(s: RunSetup, step: int) -> str:
     path = step_path(s.cfg.run.output_dir, step)
     if path.exists() and str(path) not in s.extra.get("corrupt_checkpoints", ()):  # a corrupt one is rewritten
         return str(path)
-    s.trainer.save(str(path), {"step": step, "data": s.prompts.state_dict()})
+    extra = {"step": step, "data": s.prompts.state_dict()}
+    if s.trainer is None:   # an engine rank of a disaggregated job joins the collective write
+        from megatron_qrl.trainer import checkpoint as ckpt
+
+        ckpt.save(None, str(path), extra)
+    else:
+        s.trainer.save(str(path), extra)
     if dist.get_rank() == 0:
         mark_latest(s.cfg.run.output_dir, path)
     dist.barrier()

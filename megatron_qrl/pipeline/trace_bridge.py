@@ -39,23 +39,36 @@ class TraceBridge:
         self._metrics = None
         self._guides = None
 
+    def build(self, rollouts, step: int, version: int, first_index: int = 0):
+        """Engine side: the sealed cache of `rollouts`, sample ids first_index.. (None when TRACE is off)."""
+        if not self.enabled:
+            return None
+        from megatron_qrl.trace import TraceCacheBuilder, config_fingerprint
+
+        builder = TraceCacheBuilder(version, step, config_fingerprint(self.cfg), layers=self.cfg.cached_layers())
+        for i, r in enumerate(rollouts):
+            builder.add_sample(first_index + i, r.trace, routed_experts=r.routed_experts)
+        return builder.build()
+
     def prepare(self, batch, step: int, version: int):
-        """(trace_guides hook or None, metrics) for this step's batch."""
+        """Colocated: (trace_guides hook or None, metrics) for this step's batch, built from its rollouts."""
         if not self.enabled:
             return None, {}
-        from megatron_qrl.trace import (MicroBatchGuides, TraceCacheBuilder, TraceMetrics, accept,
-                                        config_fingerprint, expected_site_widths)
-
         t0 = time.perf_counter()
-        fingerprint = config_fingerprint(self.cfg)
-        builder = TraceCacheBuilder(version, step, fingerprint, layers=self.cfg.cached_layers())
-        for i, r in enumerate(batch.rollouts):
-            builder.add_sample(i, r.trace, routed_experts=r.routed_experts)
-        self._metrics = TraceMetrics()
-        cache = accept(builder.build(), version, step, self._metrics,
-                       expected_shapes=expected_site_widths(self.cfg), expected_fingerprint=fingerprint)
-        out = {"trace/build_s": time.perf_counter() - t0, "trace/transfer_s": 0.0,
-               "trace/cache_bytes": float(cache.nbytes) if cache is not None else 0.0,
+        cache = self.build(batch.rollouts, step, version)
+        return self.guides(cache, batch, step, version, {"trace/build_s": time.perf_counter() - t0,
+                                                          "trace/transfer_s": 0.0})
+
+    def guides(self, cache, batch, step: int, version: int, timings: dict, metrics=None):
+        """Trainer side: validate `cache` (version, step, fingerprint, checksum, site widths; a rejected
+        cache counts in trace/rejected and the batch falls back to nearest rounding) and wrap it as the
+        trainer's trace_guides hook. Returns (hook or None, metrics)."""
+        from megatron_qrl.trace import MicroBatchGuides, TraceMetrics, accept, config_fingerprint, expected_site_widths
+
+        self._metrics = metrics or TraceMetrics()
+        cache = accept(cache, version, step, self._metrics, expected_shapes=expected_site_widths(self.cfg),
+                       expected_fingerprint=config_fingerprint(self.cfg))
+        out = {**timings, "trace/cache_bytes": float(cache.nbytes) if cache is not None else 0.0,
                "trace/bits_per_element": float(cache.bits_per_element()) if cache is not None else 0.0}
         if cache is None:
             self._guides = None

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import cpu
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -69,24 +70,80 @@ def init_process_group(timeout_minutes: int = 10) -> None:
     dist.init_process_group(backend=backend, timeout=timeout)
 
 
-def set_layout(layout: Layout, seed: int, cfg=None) -> None:
-    """(Re)create Megatron's model-parallel groups for `layout` and seed all RNGs."""
+_PLACEMENT: Optional[Placement] = None
+_TRAINER_GROUP = None
+_WEIGHT_SYNC_GROUP = None
+
+
+def job_placement() -> Placement:
+    """This job's rank split (colocated over the whole world unless init_distributed said otherwise)."""
+    return _PLACEMENT or Placement("colocated", world_size(), world_size())
+
+
+def trainer_group():
+    """The process group of the trainer ranks (None = the default group, when every rank trains)."""
+    return _TRAINER_GROUP
+
+
+def weight_sync_group():
+    """Disaggregated: the group {trainer rank 0} + engine ranks that weight broadcasts use (None elsewhere)."""
+    return _WEIGHT_SYNC_GROUP
+
+
+def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] = None) -> None:
+    """(Re)create Megatron's model-parallel groups for `layout` and seed all RNGs.
+
+    With a disaggregated placement the trainer ranks get `layout` over a world of their own and every
+    engine rank a one-rank 1x1x1 world (see megatron_qrl.platform.placement).
+    """
     from megatron.core import parallel_state as ps
 
-    world = dist.get_world_size()
+    global _PLACEMENT, _TRAINER_GROUP, _WEIGHT_SYNC_GROUP
+    place = place or Placement("colocated", dist.get_world_size(), dist.get_world_size())
+    world = place.num_trainers
     if cfg is not None:
         cfg.check_world_size(world)
     elif world % (layout.tp * layout.pp):
         raise ValueError(f"layout {layout} does not tile {world} ranks: tp*pp must divide the world size")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-    )
+    me = dist.get_rank()
+    if not place.disaggregated:
+        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                     expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+        _TRAINER_GROUP = None
+    else:
+        # Groups created by local synchronization must be created before the two sides diverge: gloo
+        # hangs forming a group whose members created different numbers of groups before (torch 2.13).
+        sync_ranks = [0, *place.engine_ranks]
+        if _WEIGHT_SYNC_GROUP is None and me in sync_ranks:
+            _WEIGHT_SYNC_GROUP = dist.new_group(sync_ranks, use_local_synchronization=True)
+        own = layout if place.is_trainer(me) else Layout()
+        with _local_group_creation(ps):   # only the members of each group take part in creating it
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=own.tp, pipeline_model_parallel_size=own.pp,
+                expert_model_parallel_size=own.ep, expert_tensor_parallel_size=own.etp,
+                local_world_size=world if place.is_trainer(me) else 1,
+                rank_offset=0 if place.is_trainer(me) else me)
+        _TRAINER_GROUP = (dist.new_group(list(range(world)), use_local_synchronization=True)
+                          if place.is_trainer(me) else None)
+    _PLACEMENT = place
     seed_everything(seed)
+
+
+class _local_group_creation:
+    """Megatron's create_group with use_local_synchronization=True for the duration of a with-block."""
+
+    def __init__(self, ps):
+        self.ps, self.original = ps, ps.create_group
+
+    def __enter__(self):
+        from functools import partial
+
+        self.ps.create_group = partial(self.original, use_local_synchronization=True)
+
+    def __exit__(self, *exc):
+        self.ps.create_group = self.original
 
 
 def seed_everything(seed: int) -> None:
@@ -105,7 +162,8 @@ def init_distributed(cfg, layout: Optional[Layout] = None) -> Layout:
     cpu.install()
     init_process_group()
     layout = layout or Layout.from_config(cfg)
-    set_layout(layout, cfg.trainer.seed, cfg if layout == Layout.from_config(cfg) else None)
+    place = Placement.from_config(cfg, dist.get_world_size())
+    set_layout(layout, cfg.trainer.seed, cfg if layout == Layout.from_config(cfg) else None, place)
     return layout
 
 
@@ -117,6 +175,8 @@ def teardown() -> None:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
     finally:
+        global _PLACEMENT, _TRAINER_GROUP, _WEIGHT_SYNC_GROUP
+        _PLACEMENT = _TRAINER_GROUP = _WEIGHT_SYNC_GROUP = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -127,3 +187,30 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class default_group_is_trainers:
+    """Inside the block, collectives that Megatron issues on the default group (group=None) run on the
+    trainer group instead. Needed where Megatron assumes every rank trains: get_megatron_optimizer aligns
+    parameter groups with an all_gather_object over the default group, which in a disaggregated job also
+    holds the engine ranks. No-op when every rank trains."""
+
+    # function -> index of its positional `group` argument
+    _PATCHED = {"all_gather_object": 2, "get_world_size": 0}
+
+    def __enter__(self):
+        group = trainer_group()
+        self.saved = {name: getattr(dist, name) for name in self._PATCHED}
+        if group is None:
+            return self
+        for name, fn in self.saved.items():
+            def on_trainers(*args, _fn=fn, _pos=self._PATCHED[name], **kwargs):
+                if len(args) <= _pos and kwargs.get("group") is None:
+                    kwargs["group"] = group
+                return _fn(*args, **kwargs)
+            setattr(dist, name, on_trainers)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)

@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_qrl import fault_inject
 from megatron_qrl.platform import cpu as cpu_shim
+from megatron_qrl.platform import job_placement
 
 FORMAT = "megatron-qrl-dist-ckpt-v1"
 MANIFEST = "manifest.json"
@@ -51,7 +52,7 @@ class CheckpointCorrupt(CheckpointError):
 def _layout_dict(trainer) -> dict:
     lay = trainer.layout
     return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "dp": ps.get_data_parallel_world_size(),
-            "world_size": dist.get_world_size()}
+            "world_size": job_placement().num_trainers}
 
 
 def _rng_state() -> dict:
@@ -149,7 +150,7 @@ def _sharded_state(trainer, is_loading: bool, with_optimizer: bool, with_rng: bo
         _drop_common_steps(osd)
         state["optimizer"] = osd
     if with_rng:
-        world, rank = dist.get_world_size(), dist.get_rank()
+        world, rank = job_placement().num_trainers, dist.get_rank()  # trainer ranks are 0..world-1
         state["rng_state"] = ShardedObject("rng_state", None if is_loading else _rng_state(), (world,), (rank,),
                                            replica_id=0)
     return state
@@ -257,7 +258,10 @@ def _in_process_results_queue() -> None:
 
 
 def save(trainer, path: str | Path, extra_state: dict) -> str:
-    """Write the trainer state to `path` atomically; returns the final path."""
+    """Write the trainer state to `path` atomically; returns the final path.
+
+    Collective over the default group. In a disaggregated job the engine ranks are in that group too
+    (PyTorch DCP plans over it), so they call save(None, path, {}) at the same point and write nothing."""
     cpu_shim.install()
     _in_process_results_queue()
     path = Path(path).absolute()
@@ -272,11 +276,13 @@ def save(trainer, path: str | Path, extra_state: dict) -> str:
         tmp.mkdir()
     dist.barrier()
 
-    state = _sharded_state(trainer, is_loading=False, with_optimizer=True, with_rng=True)
-    state["scheduler"] = trainer.scheduler.state_dict()
-    state["step"] = trainer.step
-    state["optimizer_step"] = _adam_step(trainer.optimizer)
-    state["extra_state"] = extra_state
+    state = {}  # trainer=None: an engine rank of a disaggregated job, joining the collective with nothing
+    if trainer is not None:
+        state = _sharded_state(trainer, is_loading=False, with_optimizer=True, with_rng=True)
+        state["scheduler"] = trainer.scheduler.state_dict()
+        state["step"] = trainer.step
+        state["optimizer_step"] = _adam_step(trainer.optimizer)
+        state["extra_state"] = extra_state
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     fault_inject.stall("stall_in_save", extra_state.get("step"), dist.get_rank())  # tests: kill -9 here
@@ -313,6 +319,8 @@ def load(trainer, path: str | Path, load_optimizer: bool = True) -> dict:
     path = Path(path).absolute()
     manifest = read_manifest(path)
     verify_checkpoint(path, manifest)
+    if trainer is None:  # an engine rank joining the collective load (see save): only the common state
+        return dist_checkpointing.load({}, str(path)).get("extra_state", {})
     m = manifest.get("model", {})
     mine = trainer.cfg.model.model_dump()
     diff = [k for k in ("num_layers", "hidden_size", "num_experts", "vocab_size", "num_attention_heads",

@@ -15,6 +15,8 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_qrl.platform.distributed import default_group_is_trainers
+
 
 def use_distributed_optimizer(cfg) -> bool:
     return bool(cfg.trainer.use_distributed_optimizer) and torch.cuda.is_available()
@@ -37,7 +39,8 @@ def optimizer_config(cfg) -> OptimizerConfig:
 
 
 def build_optimizer(cfg, chunks: list):
-    return get_megatron_optimizer(optimizer_config(cfg), chunks)
+    with default_group_is_trainers():   # Megatron aligns param groups over the default group
+        return get_megatron_optimizer(optimizer_config(cfg), chunks)
 
 
 def total_optimizer_steps(cfg) -> int:

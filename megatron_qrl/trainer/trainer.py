@@ -36,7 +36,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_qrl.models import (build_model, clear_replay, guided_fallback_stats, pop_router_agreement,
                                  r3_routers, sequence_parallel_enabled, set_guide_provider, transformer_config)
-from megatron_qrl.platform import Layout, device, init_distributed
+from megatron_qrl.platform import Layout, device, init_distributed, trainer_group
 
 from . import checkpoint as ckpt
 from .batch import ShardedBatch, replay_ids_for_router, shard, token_logprobs
@@ -182,7 +182,7 @@ class Trainer:
         stats = self._reduce_stats(out)
         hits, total = pop_router_agreement(self.model)
         agreement = torch.tensor([float(hits), float(total)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(agreement)
+        dist.all_reduce(agreement, group=trainer_group())
         if agreement[1] > 0:
             stats["r3/router_agreement"] = float(agreement[0] / agreement[1])
         fallback = guided_fallback_stats(self.model)

@@ -1,0 +1,229 @@
+"""Where rollouts come from, as the loop sees it: one interface, two placements.
+
+`Rollouts` (what launch/train.py calls on trainer ranks):
+    sync(step) -> metrics                       trainer weights (FP4 bytes + digests) to the engines, AQN draw
+    generate(prompts, step) -> (samples, rollouts, metrics)   every trainer rank gets the whole batch
+    trace(batch, step) -> (trace_guides hook | None, metrics)  this rank's part of the TRACE cache
+    idle() / evaluate(step) -> metrics
+
+ColocatedRollouts: every rank holds an engine and generates its data-parallel share (single node, CPU).
+RemoteRollouts + serve_rollouts: rollout.placement=disaggregated. Trainer ranks 0..T-1 never hold an
+engine; engine ranks T..N-1 run `serve_rollouts`, a loop that mirrors the trainer's step by step over the
+default group: (1) weights: trainer rank 0 broadcasts the codec's bytes and digests to the engines (group
+{0} + engines), engines install them (digest-checked) and report the audit; (2) each engine generates its
+contiguous share of the prompt groups (same seeds and sample indices as one engine would use), and on
+evaluation steps engine 0 also scores the held-out set with the same weights; (3) samples and rollouts
+(without TRACE captures) go to every rank; (4) each engine seals the TRACE cache of its samples and
+`megatron_qrl.trace.exchange` ships every trainer rank the samples it trains; (5) on checkpoint steps the
+engines join the collective checkpoint write with no state of their own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_qrl.platform.distributed import weight_sync_group
+
+from .evaluate import evaluate
+from .weight_sync import aqn_seed, set_trainer_aqn, sync_weights, trainer_payload
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _is_eval_step(cfg, step: int) -> bool:
+    return bool(cfg.run.eval_every) and (step + 1) % cfg.run.eval_every == 0
+
+
+def _is_checkpoint_step(cfg, step: int) -> bool:
+    return bool(cfg.run.checkpoint_every) and (step + 1) % cfg.run.checkpoint_every == 0
+
+
+def _comm_device(group=None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_object(obj, src: int, group=None):
+    """torch.save'd bytes from `src` to the group (pickle cannot carry float8 tensors; NCCL needs tensors)."""
+    device = _comm_device(group)
+    if dist.get_rank() == src:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src, group=group)
+    if dist.get_rank() != src:
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src, group=group)
+    return obj if dist.get_rank() == src else torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
+
+
+def gather_from_engines(payload, place):
+    """all_gather_object over the default group: engines contribute `payload`, trainers None; returns the
+    engines' payloads in engine order on every rank."""
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, buf.getvalue())
+    return [torch.load(io.BytesIO(parts[r]), weights_only=False) for r in place.engine_ranks]
+
+
+def engine_share(num_prompts: int, engine_index: int, num_engines: int) -> tuple[int, int]:
+    """[first, stop) prompt indices engine `engine_index` generates (contiguous, like data parallel)."""
+    per = -(-num_prompts // num_engines)
+    return min(num_prompts, engine_index * per), min(num_prompts, (engine_index + 1) * per)
+
+
+def trace_specs(cfg, place, num_samples: int) -> dict:
+    """rank -> ShardSpec: each trainer rank receives the samples its data-parallel split trains."""
+    from megatron_qrl.trace import ShardSpec
+
+    t = cfg.trainer
+    return {r: ShardSpec.for_rank(num_samples, dp_rank=r, dp_size=place.num_trainers,
+                                  micro_batch_size=t.micro_batch_size)
+            for r in range(place.num_trainers)}
+
+
+# ------------------------------------------------------------------------------------- colocated
+class ColocatedRollouts:
+    """Every rank runs an engine over its data-parallel share (setup.generate_shard)."""
+
+    def __init__(self, s):
+        self.s = s
+
+    def sync(self, step: int) -> dict:
+        return sync_weights(self.s.engine_ready(), self.s.trainer, self.s.cfg, step, version=step)
+
+    def generate(self, prompts: list, step: int):
+        from .setup import generate_shard
+
+        t0 = time.perf_counter()
+        samples, rollouts = generate_shard(self.s, prompts, step)
+        return samples, rollouts, {"rollout/s": time.perf_counter() - t0}
+
+    def trace(self, batch, step: int):
+        return self.s.trace.prepare(batch, step=step, version=step)
+
+    def idle(self) -> None:
+        self.s.engine_idle()
+
+    def evaluate(self, step: int) -> dict:
+        s = self.s
+        return evaluate(s.engine_ready(), s.tokenizer, s.eval_set, s.cfg.rollout.max_new_tokens, s.reward_fn,
+                        s.cfg.data.reward_time_limit_s)
+
+
+# ---------------------------------------------------------------------------------- disaggregated
+class RemoteRollouts:
+    """The trainer ranks' side of a disaggregated job (see the module docstring)."""
+
+    def __init__(self, s, place):
+        self.s, self.place = s, place
+        self.group = weight_sync_group()
+        self._eval: dict = {}
+
+    def sync(self, step: int) -> dict:
+        s = self.s
+        t0 = time.perf_counter()
+        sigma = set_trainer_aqn(s.trainer, s.cfg, step)
+        if dist.get_rank() != 0:
+            return {"aqn/sigma": sigma}
+        weights, hashes = trainer_payload(s.trainer, s.cfg)
+        broadcast_object({"weights": weights, "hashes": hashes, "version": step}, src=0, group=self.group)
+        ok = torch.ones(1, device=_comm_device(self.group))
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)   # the engines' digest audits
+        nbytes = sum(sum(t.numel() * t.element_size() for t in getattr(w, "parts", lambda: [w])())
+                     for w in weights.values())
+        return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": float(ok.item()),
+                "sync/tensors": float(len(hashes)), "sync/bytes": float(nbytes), "aqn/sigma": sigma}
+
+    def generate(self, prompts: list, step: int):
+        parts = gather_from_engines(None, self.place)
+        samples = [x for p in parts for x in p["samples"]]
+        rollouts = [x for p in parts for x in p["rollouts"]]
+        self._eval = parts[0]["eval"] or {}
+        self._build_s = max(p["trace_build_s"] for p in parts)
+        return samples, rollouts, {"rollout/s": max(p["generate_s"] for p in parts)}
+
+    def trace(self, batch, step: int):
+        from megatron_qrl.trace import TraceMetrics, exchange
+
+        bridge = self.s.trace
+        if not bridge.enabled:
+            return None, {}
+        metrics = TraceMetrics()
+        t0 = time.perf_counter()
+        cache = exchange(None, trace_specs(self.s.cfg, self.place, len(batch.rollouts)), metrics=metrics)
+        return bridge.guides(cache, batch, step, step, {"trace/build_s": self._build_s,
+                                                         "trace/transfer_s": time.perf_counter() - t0}, metrics)
+
+    def idle(self) -> None:
+        pass
+
+    def evaluate(self, step: int) -> dict:
+        return self._eval
+
+
+def serve_rollouts(s, place, start: int, end: int) -> None:
+    """The engine ranks' loop of a disaggregated job: mirrors launch/train.py's steps [start, end)."""
+    from megatron_qrl.trace import exchange
+
+    from .rollout_batch import encode_prompts
+    from .setup import save_checkpoint
+
+    cfg, engine = s.cfg, s.engine
+    group = weight_sync_group()
+    me = place.engine_index(dist.get_rank())
+    G = cfg.rollout.group_size
+    for step in range(start, end):
+        update = broadcast_object(None, src=0, group=group)
+        engine.update_weights(update["weights"], update["version"], update["hashes"])
+        held = engine.store.digests
+        ok = torch.tensor([float(all(held.get(n) == h for n, h in update["hashes"].items()))],
+                          device=_comm_device(group))
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        sigma = _aqn_sigma(cfg, step)
+        engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))
+
+        prompts = next(s.prompts)
+        first, stop = engine_share(len(prompts), me, len(place.engine_ranks))
+        samples = [p for p in prompts[first:stop] for _ in range(G)]
+        t0 = time.perf_counter()
+        rollouts = (engine.generate(encode_prompts(s.tokenizer, samples), s.sampling(step, first * G))
+                    if samples else [])
+        generate_s = time.perf_counter() - t0
+        ev = (evaluate(engine, s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens, s.reward_fn,
+                       cfg.data.reward_time_limit_s) if me == 0 and _is_eval_step(cfg, step) else None)
+        t0 = time.perf_counter()
+        cache = s.trace.build(rollouts, step, step, first_index=first * G)
+        build_s = time.perf_counter() - t0
+        light = [dataclasses.replace(r, trace={}) for r in rollouts]   # captures travel in the cache
+        gather_from_engines({"samples": samples, "rollouts": light, "eval": ev, "generate_s": generate_s,
+                             "trace_build_s": build_s}, place)
+        if s.trace.enabled:
+            exchange(cache, trace_specs(cfg, place, len(prompts) * G))
+        if _is_checkpoint_step(cfg, step):
+            save_checkpoint(s, step + 1)
+    if cfg.run.checkpoint_every and end % cfg.run.checkpoint_every:
+        save_checkpoint(s, end)
+
+
+def _aqn_sigma(cfg, step: int) -> float:
+    from megatron_qrl.rl import aqn_sigma
+
+    return aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
+
+
+def build_rollouts(s, place) -> Optional[object]:
+    """The loop's rollout interface for this rank (None on a disaggregated job's engine ranks)."""
+    if not place.disaggregated:
+        return ColocatedRollouts(s)
+    return RemoteRollouts(s, place) if place.is_trainer(dist.get_rank()) else None
