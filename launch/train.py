@@ -25,15 +25,14 @@ def train(cfg) -> dict:
     """Run (or resume) an RL job; returns the last step's metrics."""
     from megatron_qrl.launch.dist_env import discover
     from megatron_qrl.logging import MetricsLogger, progress_bar
-    from megatron_qrl.pipeline import (RunSetup, build_batch, grpo_loss, resume_or_warm_start, save_checkpoint,
-                                       serve_rollouts, trainer_batch)
-    from megatron_qrl.platform import Placement
+    from megatron_qrl.pipeline import (RunSetup, build_batch, check_job, grpo_loss, resume_or_warm_start,
+                                       save_checkpoint, serve_rollouts, trainer_batch)
     from megatron_qrl.rl import is_weights
 
     env = discover()
     if env.launcher != "single":          # a lone process lets init_process_group pick a free port
         env.export()
-    cfg.check_world_size(Placement.from_config(cfg, env.world_size).num_trainers)
+    check_job(cfg, env.world_size)                # layout, placement, rank count: before any process group
     s = RunSetup.build(cfg)                       # trainer, engine(s), tokenizer, data, reward, TRACE bridge
     s.save_config()                               # runs/NAME/config.yaml: what `qrl eval` reloads
     start = resume_or_warm_start(s)

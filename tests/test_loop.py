@@ -96,8 +96,14 @@ DISAGG_EXACT = EXACT + ["trace/code_mismatch_before", "trace/code_mismatch_after
 
 
 @pytest.fixture(scope="module")
-def traced_reference(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("single_traced"), steps=3, extra=DISAGG)
+def traced_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_traced")
+    return out, _train(out, steps=3, extra=DISAGG)
+
+
+@pytest.fixture(scope="module")
+def traced_reference(traced_run):
+    return traced_run[1]
 
 
 def test_disaggregated_trainer_and_engine_ranks_match_one_process(traced_reference, tmp_path):
@@ -135,3 +141,31 @@ def test_disaggregated_needs_a_trainer_rank(tmp_path):
                         "rollout.placement=disaggregated"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "leaves no trainer rank" in r.stderr
+
+
+def test_tensor_parallel_trainer_with_an_engine_rank_matches_one_process(traced_run, tmp_path):
+    """trainer.tensor_parallel=2 on ranks 0-1, the engine on rank 2: each sync gathers the TP shards into the
+    unsharded weights (gather_weights.py). Both runs start from the same weights (a checkpoint) because
+    Megatron initialises a TP=2 model differently from a TP=1 one."""
+    init = ["run.sft_steps=0", f"run.init_checkpoint={traced_run[0] / 'checkpoints' / 'step_000001'}"]
+    ref = _train(tmp_path / "single", steps=2, extra=DISAGG + init)
+    got = _train(tmp_path / "tp2", steps=2, nproc=3,
+                 extra=DISAGG + init + ["rollout.placement=disaggregated", "trainer.tensor_parallel=2"])
+    for r, m in zip(ref, got):
+        for k in EXACT:
+            assert m[k] == r[k], k
+        assert m["train/loss"] == pytest.approx(r["train/loss"], rel=1e-5, abs=1e-7)
+        assert m["train/grad_norm"] == pytest.approx(r["train/grad_norm"], rel=1e-3)
+        assert m["trace/code_mismatch_after"] == 0 and m["trace/code_mismatch_before"] > 0
+    # step 0 syncs the checkpoint's weights: the engine then holds exactly what one process would send
+    assert got[0]["mismatch/logp_abs_diff"] == pytest.approx(ref[0]["mismatch/logp_abs_diff"], rel=0.1)
+    # Known gap (docs/rollout.md): from step 1 the TP=2 trainer's log-probs sit further from its engine's
+    # (7.8e-4 vs 6.0e-5 per token) although the synced weights are its own; not explained yet.
+
+
+def test_sharded_trainer_needs_disaggregated_engines(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.train", "--config",
+                        str(ROOT / "configs/tiny_cpu.yaml"), f"run.output_dir={tmp_path}", "trainer.tensor_parallel=2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "use rollout.placement=disaggregated" in r.stderr

@@ -4,11 +4,11 @@ from .losses import grpo_loss, sft_loss
 from .rollout_batch import RolloutBatch, build_batch, encode_prompts, generate, sft_batch
 from .rollout_service import ColocatedRollouts, RemoteRollouts, serve_rollouts
 from .run_state import latest_checkpoint, mark_latest, step_path
-from .setup import RunSetup, generate_shard, resume_or_warm_start, save_checkpoint, trainer_batch
+from .setup import RunSetup, check_job, generate_shard, resume_or_warm_start, save_checkpoint, trainer_batch
 from .trace_bridge import TraceBridge
 from .weight_sync import sync_weights
 
 __all__ = ["ColocatedRollouts", "RemoteRollouts", "RolloutBatch", "RunSetup", "TraceBridge", "build_batch",
-           "encode_prompts", "evaluate", "generate", "generate_shard", "grpo_loss", "latest_checkpoint", "mark_latest",
-           "resume_or_warm_start", "save_checkpoint", "serve_rollouts", "sft_batch", "sft_loss", "step_path",
-           "sync_weights", "trainer_batch"]
+           "check_job", "encode_prompts", "evaluate", "generate", "generate_shard", "grpo_loss", "latest_checkpoint",
+           "mark_latest", "resume_or_warm_start", "save_checkpoint", "serve_rollouts", "sft_batch", "sft_loss",
+           "step_path", "sync_weights", "trainer_batch"]

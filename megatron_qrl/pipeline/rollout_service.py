@@ -83,11 +83,14 @@ def engine_share(num_prompts: int, engine_index: int, num_engines: int) -> tuple
 
 
 def trace_specs(cfg, place, num_samples: int) -> dict:
-    """rank -> ShardSpec: each trainer rank receives the samples its data-parallel split trains."""
+    """rank -> ShardSpec: each trainer rank receives the samples its data-parallel split trains (full
+    hidden width: under tensor parallelism the trainer's MicroBatchGuides slices row-parallel sites)."""
     from megatron_qrl.trace import ShardSpec
 
     t = cfg.trainer
-    return {r: ShardSpec.for_rank(num_samples, dp_rank=r, dp_size=place.num_trainers,
+    dp = place.num_trainers // (t.tensor_parallel * t.pipeline_parallel)
+    # Megatron's rank order tp-cp-ep-dp-pp (cp = 1): rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    return {r: ShardSpec.for_rank(num_samples, dp_rank=(r // t.tensor_parallel) % dp, dp_size=dp,
                                   micro_batch_size=t.micro_batch_size)
             for r in range(place.num_trainers)}
 
@@ -134,9 +137,9 @@ class RemoteRollouts:
         s = self.s
         t0 = time.perf_counter()
         sigma = set_trainer_aqn(s.trainer, s.cfg, step)
+        weights, hashes = trainer_payload(s.trainer, s.cfg)        # gathers a sharded trainer's weights
         if dist.get_rank() != 0:
             return {"aqn/sigma": sigma}
-        weights, hashes = trainer_payload(s.trainer, s.cfg)
         broadcast_object({"weights": weights, "hashes": hashes, "version": step}, src=0, group=self.group)
         ok = torch.ones(1, device=_comm_device(self.group))
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)   # the engines' digest audits

@@ -143,6 +143,14 @@ class RunSetup:
         return _TRAIN_KEYS.get(name, name if "/" in name else f"train/{name}")
 
 
+def check_job(cfg, world_size: int) -> None:
+    """What can be checked before any process group starts: the RL layout, then the rank count."""
+    from megatron_qrl.platform import Placement
+
+    check_rl_layout(cfg)
+    cfg.check_world_size(Placement.from_config(cfg, world_size).num_trainers)
+
+
 def generate_shard(s: RunSetup, prompts: list, step: int):
     """Each data-parallel rank generates a contiguous share of the prompt groups; all ranks get all."""
     G = s.cfg.rollout.group_size

@@ -73,7 +73,14 @@ class TraceBridge:
         if cache is None:
             self._guides = None
             return None, out
-        inner = MicroBatchGuides(cache, batch.tokens.shape[1], batch.r3_expert_ids, metrics=self._metrics)
+        from megatron.core import parallel_state as ps
+
+        from megatron_qrl.models import sequence_parallel_enabled
+
+        inner = MicroBatchGuides(cache, batch.tokens.shape[1], batch.r3_expert_ids,
+                                 tp_rank=ps.get_tensor_model_parallel_rank(),
+                                 tp_size=ps.get_tensor_model_parallel_world_size(),
+                                 sequence_parallel=sequence_parallel_enabled(self.cfg), metrics=self._metrics)
         self._guides = _MeasuringGuides(inner, self._metrics, self.cfg.trace.fallback_shift)
         return self._guides, out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_qrl.models import clear_aqn_noise, set_aqn_noise
 from megatron_qrl.rl import aqn_sigma
@@ -21,17 +22,23 @@ def unwrap(trainer_model: list) -> list[torch.nn.Module]:
 
 
 def check_rl_layout(cfg) -> None:
+    """Layouts the RL loop runs: any trainer layout with disaggregated engines; data parallel when colocated."""
     if cfg.lora.enabled and cfg.rollout.placement == "disaggregated":
         raise ValueError("lora.enabled with rollout.placement=disaggregated is not implemented (the adapters-only "
                          "sync runs in-process): use rollout.placement=colocated for QeRL mode")
     t = cfg.trainer
-    if t.tensor_parallel * t.pipeline_parallel * t.expert_parallel != 1:
+    sharded = t.tensor_parallel * t.pipeline_parallel * t.expert_parallel != 1
+    if sharded and cfg.rollout.placement == "colocated":
         raise ValueError(
-            "the embedded engine holds an unsharded model and syncs from the trainer's local replica: with "
-            f"trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel={t.pipeline_parallel}, "
-            f"expert_parallel={t.expert_parallel} that replica is a shard. Use data parallelism only "
-            "(tensor/pipeline/expert_parallel=1) for RL runs with the embedded engine; sharded trainers need "
-            "a gathering sync (not implemented yet, docs/rollout.md)")
+            "the embedded engine runs an unsharded model in a one-rank Megatron world, so it cannot share a rank "
+            f"with a sharded trainer (trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel="
+            f"{t.pipeline_parallel}, expert_parallel={t.expert_parallel}): use rollout.placement=disaggregated "
+            "(engines on ranks of their own; weights are gathered to full tensors at each sync) or data "
+            "parallelism only")
+    if sharded and t.expert_parallel > 1 and cfg.trace.enabled:
+        raise ValueError("TRACE replay under trainer.expert_parallel>1 is not implemented in the loop (a routed "
+                         "expert's rows come from several dispatch sources; trace/lookup.py): set trace.enabled=false "
+                         "or trainer.expert_parallel=1")
 
 
 def aqn_seed(run_seed: int, step: int) -> int:
@@ -64,13 +71,28 @@ def quantized_weight_names(chunks: list[torch.nn.Module], cfg) -> set[str]:
 
 
 def trainer_payload(trainer, cfg):
-    """(weights, digests) for an engine elsewhere: the codec's FP4 bytes of the quantized linears, the rest as is."""
+    """(weights, digests) for an engine elsewhere: the codec's FP4 bytes of the quantized linears, the rest as
+    is, under the unsharded model's names. Collective over the trainer ranks when the trainer is sharded
+    (gather_weights); returns (None, None) on every trainer rank but 0, the one that sends."""
+    from megatron_qrl.platform import trainer_group
     from megatron_qrl.rollout.weights import pack_state
 
+    from .gather_weights import full_named_parameters, global_names
+
     chunks = unwrap(trainer.model)
-    quantized = quantized_weight_names(chunks, cfg)
-    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    return pack_state(named, cfg.rollout.weights, lambda n: n in quantized)
+    quantized = global_names(chunks, quantized_weight_names(chunks, cfg))
+    t = cfg.trainer
+    if t.tensor_parallel * t.pipeline_parallel * t.expert_parallel > 1:
+        named = full_named_parameters(chunks)
+        group = trainer_group()
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, sorted(quantized), group=group)
+        quantized = {n for p in parts for n in p}
+    else:
+        named = {n: p.detach() for c in chunks for n, p in c.named_parameters()}
+    if dist.get_rank() != 0:
+        return None, None
+    return pack_state(named.items(), cfg.rollout.weights, lambda n: n in quantized)
 
 
 def sync_weights(engine, trainer, cfg, step: int, version: int) -> dict:

@@ -113,11 +113,13 @@ def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] =
                                      expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
         _TRAINER_GROUP = None
     else:
-        # Groups created by local synchronization must be created before the two sides diverge: gloo
-        # hangs forming a group whose members created different numbers of groups before (torch 2.13).
+        # torch names a locally synchronized group by its ranks *and the number of groups the calling
+        # process has registered so far*, so every member must have created the same number of groups
+        # before: each rank creates exactly one group here (the weight-sync group, or a one-rank
+        # placeholder when it is not a member), before the two sides' Megatron worlds diverge.
         sync_ranks = [0, *place.engine_ranks]
-        if _WEIGHT_SYNC_GROUP is None and me in sync_ranks:
-            _WEIGHT_SYNC_GROUP = dist.new_group(sync_ranks, use_local_synchronization=True)
+        group = dist.new_group(sync_ranks if me in sync_ranks else [me], use_local_synchronization=True)
+        _WEIGHT_SYNC_GROUP = group if me in sync_ranks else None
         own = layout if place.is_trainer(me) else Layout()
         with _local_group_creation(ps):   # only the members of each group take part in creating it
             ps.initialize_model_parallel(
