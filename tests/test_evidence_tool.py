@@ -106,3 +106,18 @@ def test_paired_differences_per_seed(campaign):
     assert d["b"]["reward_last"] == pytest.approx((0.0, 0.0))         # same rewards in both arms
     assert "a" not in d
     assert "| b | 3 | -0.100 ± 0.218 |" in evidence.diffs_table(d, "a", 3)
+
+
+def test_per_seed_table_uses_each_arms_engine_for_the_start(campaign):
+    root, _ = campaign
+    for seed in range(3):
+        d = evidence.sft_dir(root, seed)
+        d.mkdir(parents=True)
+        (d / "sft_eval.json").write_text(json.dumps({"eval_accuracy_nvfp4": 0.25 + seed / 8,
+                                                     "eval_accuracy_bf16": 0.5}))
+    arms = {"a": ["rollout.weights=bf16"], "b": ["rl.is_method=ais"]}
+    runs = evidence.collect(root, list(arms), [0, 1, 2], last_n=3)
+    md = evidence.per_seed_table(runs, root, [0, 1, 2], arms)
+    assert "| a | 0.500 -> 0.500 | 0.500 -> 0.600 | 0.500 -> 0.700 |" in md
+    assert "| b | 0.250 -> 0.250 | 0.375 -> 0.750 | 0.500 -> 0.500 |" in md
+    assert evidence.sft_baseline(root, [0, 1, 2], arms)["b"] == pytest.approx((0.375, 0.125))

@@ -327,6 +327,22 @@ def sft_baseline(root: Path, seeds: Sequence[int], arms: dict) -> Optional[dict]
                            for e in evals]) for arm, ov in arms.items()}
 
 
+def per_seed_table(runs: dict, root: Path, seeds: Sequence[int], arms: dict) -> str:
+    """Final held-out accuracy of every run, with each seed's SFT start through the arm's engine."""
+    lines = ["| arm | " + " | ".join(f"seed {s}: SFT start -> final" for s in seeds) + " |",
+             "|---|" + "---|" * len(seeds)]
+    for arm, by_seed in runs.items():
+        cells = []
+        for seed in seeds:
+            f = sft_dir(root, seed) / "sft_eval.json"
+            start = json.loads(f.read_text())["eval_accuracy_bf16" if "rollout.weights=bf16" in arms[arm]
+                                              else "eval_accuracy_nvfp4"] if f.is_file() else math.nan
+            final = by_seed[seed]["final_eval"] if seed in by_seed else math.nan
+            cells.append(f"{start:.3f} -> {final:.3f}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_curves(runs: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
     """reward.png (training reward, moving mean over `smooth` steps), eval_accuracy.png and mismatch.png: per
     arm the mean over seeds with a ±1 std band."""
@@ -381,6 +397,7 @@ def write_outputs(root: Path, out_dir: Path, arms: dict, seeds: Sequence[int], l
     md = markdown_table(table, last_n, baseline)
     if ref in runs:
         md += "\n" + diffs_table(paired_diffs(runs, ref), ref, last_n)
+    md += "\n" + per_seed_table(runs, root, seeds, arms)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(md)
     _write_json(out_dir / "summary.json", {"runs": runs, "seeds": list(seeds), "last_n": last_n})
