@@ -18,7 +18,9 @@ from megatron_qrl.rl import aqn_sigma
 
 def unwrap(trainer_model: list) -> list[torch.nn.Module]:
     """Megatron DDP wrappers -> the GPTModel chunks (parameter names as the engine's model has them)."""
-    return [getattr(c, "module", c) for c in trainer_model]
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(trainer_model))   # DDP, then Float16Module (bf16 on GPU)
 
 
 def check_rl_layout(cfg) -> None:

@@ -143,7 +143,8 @@ class Trainer:
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
-        """Per-token log-probs [B, T] (float32) of batch['tokens'] under the current weights, on every rank."""
+        """Per-token log-probs [B, T] (float32) of batch['tokens'] under the current weights, on every rank,
+        on the device of batch['tokens'] (the loop's RL math runs where the batch lives)."""
         sb = self._shard(batch)
         out = self._run(sb, None, forward_only=True)
         per_rank = sb.padded_size // sb.dp_size
@@ -158,7 +159,7 @@ class Trainer:
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
-        return local[:sb.global_size, :sb.seq_len]
+        return local[:sb.global_size, :sb.seq_len].to(torch.as_tensor(batch["tokens"]).device)
 
     def train_step(self, batch: dict, loss_fn: LossFn) -> dict:
         """Forward/backward over all micro-batches, grad sync, clipping, optimizer step, LR schedule."""
