@@ -40,9 +40,9 @@ def train(cfg) -> dict:
     end = min(cfg.run.total_steps, start + (cfg.run.stop_after_steps or cfg.run.total_steps))
     r = s.rollouts                                # this rank's engine, or engine ranks elsewhere
     if r is None:                                 # a disaggregated job's engine rank: serve the trainers
-        serve_rollouts(s, s.placement, start, end)
+        serve_rollouts(s, s.placement)
         return last
-    with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log:
+    with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log, r:
         for step in progress_bar(range(start, end), total=cfg.run.total_steps, initial=start,
                                  desc="RL", rank=env.rank, unit="step"):
             m = r.sync(step)                                                   # FP4 bytes + digests, AQN draw
@@ -67,8 +67,8 @@ def train(cfg) -> dict:
             log.log(m, step=step)
             last = m
             s.guard.stop_if_exhausted(save_checkpoint, step + 1)           # too many NaN steps: ckpt + stop
-    if cfg.run.checkpoint_every and end % cfg.run.checkpoint_every:
-        save_checkpoint(s, end)
+        if cfg.run.checkpoint_every and end % cfg.run.checkpoint_every:
+            save_checkpoint(s, end)
     return last
 
 

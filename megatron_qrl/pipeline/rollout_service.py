@@ -14,8 +14,10 @@ default group: (1) weights: trainer rank 0 broadcasts the codec's bytes and dige
 contiguous share of the prompt groups (same seeds and sample indices as one engine would use), and on
 evaluation steps engine 0 also scores the held-out set with the same weights; (3) samples and rollouts
 (without TRACE captures) go to every rank; (4) each engine seals the TRACE cache of its samples and
-`megatron_qrl.trace.exchange` ships every trainer rank the samples it trains; (5) on checkpoint steps the
-engines join the collective checkpoint write with no state of their own.
+`megatron_qrl.trace.exchange` ships every trainer rank the samples it trains. Engines do not keep the
+schedule themselves: trainer rank 0 sends each command (generate, save = join the collective checkpoint
+write with no state of their own, stop), so a checkpoint the trainer writes off schedule (the non-finite
+guard's last one) and the end of the run reach them too.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_qrl import fault_inject
 from megatron_qrl.platform.distributed import weight_sync_group
 
 from .evaluate import evaluate
@@ -37,10 +40,6 @@ from .weight_sync import aqn_seed, set_trainer_aqn, sync_weights, trainer_payloa
 
 def _is_eval_step(cfg, step: int) -> bool:
     return bool(cfg.run.eval_every) and (step + 1) % cfg.run.eval_every == 0
-
-
-def _is_checkpoint_step(cfg, step: int) -> bool:
-    return bool(cfg.run.checkpoint_every) and (step + 1) % cfg.run.checkpoint_every == 0
 
 
 def _comm_device(group=None) -> torch.device:
@@ -123,6 +122,12 @@ class ColocatedRollouts:
         return evaluate(s.engine_ready(), s.tokenizer, s.eval_set, s.cfg.rollout.max_new_tokens, s.reward_fn,
                         s.cfg.data.reward_time_limit_s)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
 
 # ---------------------------------------------------------------------------------- disaggregated
 class RemoteRollouts:
@@ -140,7 +145,8 @@ class RemoteRollouts:
         weights, hashes = trainer_payload(s.trainer, s.cfg)        # gathers a sharded trainer's weights
         if dist.get_rank() != 0:
             return {"aqn/sigma": sigma}
-        broadcast_object({"weights": weights, "hashes": hashes, "version": step}, src=0, group=self.group)
+        broadcast_object({"cmd": "generate", "step": step, "version": step, "eval": _is_eval_step(s.cfg, step),
+                          "weights": weights, "hashes": hashes}, src=0, group=self.group)
         ok = torch.ones(1, device=_comm_device(self.group))
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)   # the engines' digest audits
         nbytes = sum(sum(t.numel() * t.element_size() for t in getattr(w, "parts", lambda: [w])())
@@ -174,37 +180,56 @@ class RemoteRollouts:
     def evaluate(self, step: int) -> dict:
         return self._eval
 
+    def announce_save(self, step: int) -> None:
+        """Tell the engine ranks to join the collective checkpoint write of `step` (trainer rank 0 sends)."""
+        if dist.get_rank() == 0:
+            broadcast_object({"cmd": "save", "step": step}, src=0, group=self.group)
 
-def serve_rollouts(s, place, start: int, end: int) -> None:
-    """The engine ranks' loop of a disaggregated job: mirrors launch/train.py's steps [start, end)."""
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """End of the run, or a stop at a step boundary (SystemExit, e.g. the non-finite guard's): release the
+        engine ranks from their command loop. After any other exception the engines may sit in another
+        collective, so nothing is sent: the launcher (torchrun) tears the job down."""
+        if dist.get_rank() == 0 and (exc_type is None or issubclass(exc_type, SystemExit)):
+            broadcast_object({"cmd": "stop"}, src=0, group=self.group)
+
+
+def serve_rollouts(s, place) -> None:
+    """The engine ranks' loop of a disaggregated job: commands from trainer rank 0 until "stop".
+
+    generate: install the weights (digest-checked) and this step's AQN draw, generate this engine's share of
+    the prompt groups (restarting a failed engine and retrying, at most rollout.max_generate_retries times),
+    score the held-out set when asked (engine 0), send samples and rollouts to every rank, ship the TRACE
+    cache. save: join the collective checkpoint write. stop: return.
+    """
     from megatron_qrl.trace import exchange
 
-    from .rollout_batch import encode_prompts
     from .setup import save_checkpoint
 
-    cfg, engine = s.cfg, s.engine
+    cfg = s.cfg
     group = weight_sync_group()
     me = place.engine_index(dist.get_rank())
     G = cfg.rollout.group_size
-    for step in range(start, end):
-        update = broadcast_object(None, src=0, group=group)
-        engine.update_weights(update["weights"], update["version"], update["hashes"])
-        held = engine.store.digests
-        ok = torch.tensor([float(all(held.get(n) == h for n, h in update["hashes"].items()))],
-                          device=_comm_device(group))
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        sigma = _aqn_sigma(cfg, step)
-        engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))
-
+    while True:
+        msg = broadcast_object(None, src=0, group=group)
+        if msg["cmd"] == "stop":
+            return
+        if msg["cmd"] == "save":
+            save_checkpoint(s, msg["step"])
+            continue
+        step = msg["step"]
+        ok = _install(s.engine, msg, cfg)
+        dist.all_reduce(torch.tensor([ok], device=_comm_device(group)), op=dist.ReduceOp.MIN, group=group)
         prompts = next(s.prompts)
         first, stop = engine_share(len(prompts), me, len(place.engine_ranks))
         samples = [p for p in prompts[first:stop] for _ in range(G)]
         t0 = time.perf_counter()
-        rollouts = (engine.generate(encode_prompts(s.tokenizer, samples), s.sampling(step, first * G))
-                    if samples else [])
+        rollouts = _generate_with_restarts(s, msg, samples, first * G) if samples else []
         generate_s = time.perf_counter() - t0
-        ev = (evaluate(engine, s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens, s.reward_fn,
-                       cfg.data.reward_time_limit_s) if me == 0 and _is_eval_step(cfg, step) else None)
+        ev = (evaluate(s.engine, s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens, s.reward_fn,
+                       cfg.data.reward_time_limit_s) if me == 0 and msg["eval"] else None)
         t0 = time.perf_counter()
         cache = s.trace.build(rollouts, step, step, first_index=first * G)
         build_s = time.perf_counter() - t0
@@ -213,10 +238,38 @@ def serve_rollouts(s, place, start: int, end: int) -> None:
                              "trace_build_s": build_s}, place)
         if s.trace.enabled:
             exchange(cache, trace_specs(cfg, place, len(prompts) * G))
-        if _is_checkpoint_step(cfg, step):
-            save_checkpoint(s, step + 1)
-    if cfg.run.checkpoint_every and end % cfg.run.checkpoint_every:
-        save_checkpoint(s, end)
+
+
+def _install(engine, msg: dict, cfg) -> float:
+    """Weights (digest-checked) and the step's AQN draw; returns 1.0 when the engine holds exactly the digests."""
+    engine.update_weights(msg["weights"], msg["version"], msg["hashes"])
+    engine.set_aqn_noise(_aqn_sigma(cfg, msg["step"]), aqn_seed(cfg.run.seed, msg["step"]))
+    held = engine.store.digests
+    return float(all(held.get(n) == h for n, h in msg["hashes"].items()))
+
+
+def _generate_with_restarts(s, msg: dict, samples: list, index_offset: int) -> list:
+    """generate(); on an exception a fresh engine gets the same weights and AQN draw and the batch is
+    generated again (same seeds, so the same tokens), at most rollout.max_generate_retries times."""
+    import logging
+
+    from .rollout_batch import encode_prompts
+
+    retries = s.cfg.rollout.max_generate_retries
+    for attempt in range(retries + 1):
+        try:
+            if fault_inject.fires("engine_crash", msg["step"], dist.get_rank()):
+                raise RuntimeError("injected engine failure (QRL_FAULT_INJECT)")
+            return s.engine.generate(encode_prompts(s.tokenizer, samples), s.sampling(msg["step"], index_offset))
+        except Exception as err:  # noqa: BLE001 - any engine failure is retried on a fresh engine
+            if attempt == retries:
+                raise RuntimeError(f"engine rank {dist.get_rank()}: generate failed {retries + 1} times at step "
+                                   f"{msg['step']}; last error: {err!r}") from err
+            logging.getLogger(__name__).warning("engine rank %d: generate failed at step %d (%r); restarting the "
+                                                "engine and retrying", dist.get_rank(), msg["step"], err)
+            s.restart_engine()
+            _install(s.engine, msg, s.cfg)
+    return []
 
 
 def _aqn_sigma(cfg, step: int) -> float:
@@ -227,6 +280,10 @@ def _aqn_sigma(cfg, step: int) -> float:
 
 def build_rollouts(s, place) -> Optional[object]:
     """The loop's rollout interface for this rank (None on a disaggregated job's engine ranks)."""
+    if s.cfg.rollout.engine == "sglang" and s.cfg.rollout.placement == "disaggregated":
+        from .sglang_rollouts import SGLangServerRollouts   # servers outside the job; every rank trains
+
+        return SGLangServerRollouts(s)
     if not place.disaggregated:
         return ColocatedRollouts(s)
     return RemoteRollouts(s, place) if place.is_trainer(dist.get_rank()) else None

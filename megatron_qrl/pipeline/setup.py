@@ -68,7 +68,12 @@ class RunSetup:
         trainer = Trainer(cfg) if place.is_trainer(me) else None
         if trainer is None:
             init_distributed(cfg)           # the engine rank's one-rank Megatron world
-        engine = EmbeddedEngine(cfg) if place.is_engine(me) else None
+        if cfg.rollout.engine == "sglang":    # in-process per rank, or trainer rank 0 -> servers (sglang_rollouts.py)
+            from .sglang_rollouts import build_sglang_run_engine
+
+            engine = build_sglang_run_engine(cfg, me)
+        else:
+            engine = EmbeddedEngine(cfg) if place.is_engine(me) else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
         s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
@@ -88,6 +93,9 @@ class RunSetup:
 
     def restart_engine(self) -> None:
         """Replace a failed engine by a fresh one of the same kind (weights: sync_weights afterwards)."""
+        if self.cfg.rollout.engine == "sglang":   # the adapter restarts its Engine / launched servers itself
+            self.engine.restart()
+            return
         old, self.engine = self.engine, None
         try:
             old.release_memory()
@@ -254,6 +262,8 @@ def save_checkpoint(s: RunSetup, step: int) -> str:
     path = step_path(s.cfg.run.output_dir, step)
     if path.exists() and str(path) not in s.extra.get("corrupt_checkpoints", ()):  # a corrupt one is rewritten
         return str(path)
+    if hasattr(s.rollouts, "announce_save"):   # disaggregated: engine ranks join the collective write
+        s.rollouts.announce_save(step)
     extra = {"step": step, "data": s.prompts.state_dict()}
     if s.trainer is None:   # an engine rank of a disaggregated job joins the collective write
         from megatron_qrl.trainer import checkpoint as ckpt
