@@ -103,6 +103,10 @@ def sync_weights(engine, trainer, cfg, step: int, version: int) -> dict:
         from .lora_sync import sync_lora
 
         return sync_lora(engine, trainer, cfg, step, version)
+    if cfg.rollout.engine == "sglang":  # FP4 bytes + digests under Megatron names; the adapter maps them to HF
+        from .sglang_rollouts import sync_sglang
+
+        return sync_sglang(engine, trainer, cfg, step, version)
     t0 = time.perf_counter()
     hashes = engine.sync_from_model(unwrap(trainer.model), version)
     held = getattr(getattr(engine, "store", None), "digests", None)

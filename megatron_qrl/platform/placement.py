@@ -22,7 +22,8 @@ class Placement:
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Placement":
         ro = cfg.rollout
-        if ro.placement == "colocated":
+        if ro.placement == "colocated" or ro.engine == "sglang":
+            # SGLang's disaggregated servers are not ranks of this job (rollout.sglang_server_urls): all ranks train
             return cls("colocated", world_size, world_size)
         trainers = world_size - ro.num_engine_ranks
         if trainers < 1:

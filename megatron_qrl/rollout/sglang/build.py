@@ -50,7 +50,11 @@ def _check_served_quantization(servers: list[ServerClient], quant: EngineQuantiz
 
 def build_sglang_engine(cfg, *, capability=None, transport: Optional[Transport] = None, launch: bool = False,
                         base_gpu_id: int = 0, name_map: NameMap = identity_names, engine_factory=None,
-                        input_scales=None, deterministic: bool = False, check_servers: bool = True) -> SGLangEngine:
+                        input_scales=None, deterministic: bool = False, check_servers: bool = True,
+                        device=None) -> SGLangEngine:
+    """base_gpu_id: colocated, the GPU of this process's in-process Engine (its scheduler is a subprocess that
+    would otherwise start on GPU 0); with launch=True, the first GPU of the launched servers. device: where a
+    colocated sync hands tensors over (default: the current CUDA device)."""
     refuse_trace(cfg)
     _check_config(cfg)
     ro = cfg.rollout
@@ -65,7 +69,8 @@ def build_sglang_engine(cfg, *, capability=None, transport: Optional[Transport] 
     quant = choose_engine_quantization(capability, ro.weights, ro.scheme)
     server_args = engine_server_args(ro, quant, routed_experts=routing is not None, colocated=colocated)
     if colocated:
-        backend = ColocatedBackend(server_args, engine_factory=engine_factory, max_restarts=ro.sglang_max_restarts)
+        backend = ColocatedBackend({**server_args, "base_gpu_id": int(base_gpu_id)}, engine_factory=engine_factory,
+                                   max_restarts=ro.sglang_max_restarts, device=device)
     else:
         servers = [ServerClient(u, transport) for u in ro.sglang_server_urls]
         processes = _launch(servers, server_args, ro, cfg.run.output_dir, base_gpu_id) if launch else []

@@ -63,6 +63,9 @@ class SGLangEngine:
         self.released = False
         self.weights_consistent = True
         self.last_audit: dict = {}
+        # the loop keeps the step's update here from its sync to the end of its generation, so that a restarted
+        # engine gets the same bytes again without another (collective) gather from the trainer ranks
+        self.retained_update: Optional[tuple] = None
         self.stats = {"generate_calls": 0, "sequences": 0, "generated_tokens": 0, "syncs": 0, "sync_buckets": 0,
                       "refused_updates": 0, "engine_restarts": 0}
 
@@ -151,6 +154,17 @@ class SGLangEngine:
         if self.released:
             self.backend.resume()
             self.released = False
+
+    def restart(self) -> None:
+        """After a failure: a fresh colocated Engine, or launched servers brought back (bounded either way).
+        The engine then holds the checkpoint's weights, so generation refuses until the next update_weights."""
+        if hasattr(self.backend, "restart"):
+            self.backend.restart()
+        else:
+            self.backend.ensure_alive()
+        self.stats["engine_restarts"] += 1
+        self.weights_consistent = False
+        self.released = False
 
     def health(self) -> dict:
         q = self.quantization
