@@ -257,3 +257,24 @@ def test_disaggregated_loop_sends_buckets_to_the_servers_from_trainer_rank_0(tmp
     assert paths.count("/model_info") == 2 and paths.count("/weights_checker") == 2   # post-sync audits
     assert last["sync/hash_ok"] == 1.0 and "eval/accuracy" in last
     assert s.engine.retained_update is None          # the payload is dropped for the trainer's turn
+
+
+def test_a_crashed_colocated_engine_is_rebuilt_and_resynced_before_the_retry(tmp_path, monkeypatch):
+    """engine_crash at step 1: the guard restarts the adapter's in-process Engine (a new fake from the factory)
+    and the loop re-sends the step's weights to it before generating the batch again."""
+    m = load_config("configs/tiny_cpu.yaml", []).model
+    engines = []
+
+    def factory(**server_args):
+        engines.append(FakeInProcessEngine(m.num_layers, m.moe_router_topk, m.num_experts, **server_args))
+        return engines[-1]
+
+    monkeypatch.setenv("QRL_FAULT_INJECT", "engine_crash@1")
+    last, s, cfg = run_loop(tmp_path, monkeypatch, ["run.eval_every=0"],
+                            {"capability": (10, 0), "engine_factory": factory, "device": "cpu"}, lambda e: None)
+    assert len(engines) == 2 and engines[0].calls[-1] == "shutdown"
+    first, second = engines
+    assert len(first.syncs[:-1]) == 2 and len(first.prompts) == 1      # step 0 generated; step 1 crashed
+    assert second.calls[0] == "update" and second.calls.index("generate") > second.calls.index("update")
+    assert len(second.syncs[:-1]) == 1 and len(second.prompts) == 1    # full re-sync, then the retried batch
+    assert last["fault/engine_restarts"] == 1.0 and s.engine.version == 1 and s.engine.stats["engine_restarts"] == 1
