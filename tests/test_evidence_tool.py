@@ -77,9 +77,10 @@ def test_outputs_written_and_small(campaign, tmp_path_factory):
     root, _ = campaign
     out = tmp_path_factory.mktemp("fig")
     arms = {"a": ["rl.is_method=none"], "b": ["rl.is_method=ais"]}
-    md = evidence.write_outputs(root, out, arms, [0, 1, 2], last_n=3)
+    md = evidence.write_outputs(root, out, arms, [0, 1, 2], last_n=3, ref="a")
     assert (out / "table.md").read_text() == md
-    for name in ("reward.png", "eval_accuracy.png", "mismatch.png"):
+    assert "| arm - a (paired per seed) |" in md
+    for name in ("reward.png", "eval_accuracy.png", "mismatch.png", "paired_diff.png"):
         size = (out / name).stat().st_size
         assert 0 < size < 150_000, (name, size)
 

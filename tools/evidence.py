@@ -365,7 +365,7 @@ def plot_curves(runs: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
             for s in by_seed.values():
                 vals = [s[key].get(st, math.nan) for st in steps]
                 if key == "reward":
-                    vals = [sum(w) / len(w) for w in (vals[max(0, i - smooth + 1):i + 1] for i in range(len(vals)))]
+                    vals = _smooth(vals, smooth)
                 series.append(vals)
             ms = [mean_std([v[i] for v in series]) for i in range(len(steps))]
             m = [x[0] for x in ms]
@@ -389,6 +389,48 @@ def plot_curves(runs: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
     return paths
 
 
+def _smooth(vals: list, k: int) -> list:
+    return [sum(w) / len(w) for w in (vals[max(0, i - k + 1):i + 1] for i in range(len(vals)))]
+
+
+def plot_paired(runs: dict, ref: str, out_dir: Path, smooth: int = 5) -> Path:
+    """paired_diff.png: per arm, (arm - ref) per seed on the same seed, mean ± std over seeds, for the
+    held-out accuracy at each eval and the training reward (moving mean over `smooth` steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, title in ((axes[0], "eval", "held-out accuracy"),
+                           (axes[1], "reward", f"training reward (moving mean over {smooth})")):
+        for arm, by_seed in runs.items():
+            if arm == ref:
+                continue
+            common = sorted(set(by_seed) & set(runs[ref]))
+            steps = sorted(set().union(*(runs[ref][s][key] for s in common)))
+            series = []
+            for seed in common:
+                d = [by_seed[seed][key].get(st, math.nan) - runs[ref][seed][key].get(st, math.nan) for st in steps]
+                series.append(_smooth(d, smooth) if key == "reward" else d)
+            ms = [mean_std([v[i] for v in series]) for i in range(len(steps))]
+            m, sd = [x[0] for x in ms], [x[1] for x in ms]
+            (line,) = ax.plot(steps, m, label=f"{arm} (n={len(series)})", marker="o" if key == "eval" else None,
+                              lw=1.3)
+            ax.fill_between(steps, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
+                            color=line.get_color(), alpha=0.12)
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_title(f"{title}: arm - {ref}, same seed (mean ± std)", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "paired_diff.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def write_outputs(root: Path, out_dir: Path, arms: dict, seeds: Sequence[int], last_n: int,
                   ref: str = "nvfp4") -> str:
     runs = collect(root, list(arms), seeds, last_n)
@@ -403,6 +445,8 @@ def write_outputs(root: Path, out_dir: Path, arms: dict, seeds: Sequence[int], l
     _write_json(out_dir / "summary.json", {"runs": runs, "seeds": list(seeds), "last_n": last_n})
     if runs:
         plot_curves(runs, out_dir)
+    if ref in runs and len(runs) > 1:
+        plot_paired(runs, ref, out_dir)
     return md
 
 
