@@ -77,10 +77,12 @@ class TraceBridge:
 
         from megatron_qrl.models import sequence_parallel_enabled
 
-        inner = MicroBatchGuides(cache, batch.tokens.shape[1], batch.r3_expert_ids,
-                                 tp_rank=ps.get_tensor_model_parallel_rank(),
-                                 tp_size=ps.get_tensor_model_parallel_world_size(),
-                                 sequence_parallel=sequence_parallel_enabled(self.cfg), metrics=self._metrics)
+        tp, sp = ps.get_tensor_model_parallel_world_size(), sequence_parallel_enabled(self.cfg)
+        seq_len = batch.tokens.shape[1]
+        if sp and tp > 1:   # the trainer pads T to a multiple of TP under sequence parallelism (trainer/batch.py)
+            seq_len = -(-seq_len // tp) * tp
+        inner = MicroBatchGuides(cache, seq_len, batch.r3_expert_ids, tp_rank=ps.get_tensor_model_parallel_rank(),
+                                 tp_size=tp, sequence_parallel=sp, metrics=self._metrics)
         self._guides = _MeasuringGuides(inner, self._metrics, self.cfg.trace.fallback_shift)
         return self._guides, out
 
