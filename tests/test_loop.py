@@ -154,21 +154,28 @@ def test_disaggregated_needs_a_trainer_rank(tmp_path):
     assert r.returncode != 0 and "leaves no trainer rank" in r.stderr
 
 
-def test_tensor_parallel_trainer_with_an_engine_rank_matches_one_process(traced_run, tmp_path):
-    """trainer.tensor_parallel=2 on ranks 0-1, the engine on rank 2: each sync gathers the TP shards into the
-    unsharded weights (gather_weights.py). Both runs start from the same weights (a checkpoint) because
-    Megatron initialises a TP=2 model differently from a TP=1 one."""
+@pytest.fixture(scope="module")
+def from_checkpoint(traced_run, tmp_path_factory):
+    """One process started from the traced run's step-1 checkpoint: the reference of the sharded layouts,
+    which Megatron would otherwise initialise differently from a TP=PP=1 model."""
     init = ["run.sft_steps=0", f"run.init_checkpoint={traced_run[0] / 'checkpoints' / 'step_000001'}"]
-    ref = _train(tmp_path / "single", steps=2, extra=DISAGG + init)
-    got = _train(tmp_path / "tp2", steps=2, nproc=3,
-                 extra=DISAGG + init + ["rollout.placement=disaggregated", "trainer.tensor_parallel=2"])
+    return init, _train(tmp_path_factory.mktemp("from_ckpt"), steps=2, extra=DISAGG + init)
+
+
+@pytest.mark.parametrize("layout", ["trainer.tensor_parallel=2", "trainer.pipeline_parallel=2"])
+def test_sharded_trainer_with_an_engine_rank_matches_one_process(from_checkpoint, layout, tmp_path):
+    """A TP=2 or PP=2 trainer on ranks 0-1, the engine on rank 2: each sync gathers the shards into the
+    unsharded weights (gather_weights.py), TRACE replays on the shards."""
+    init, ref = from_checkpoint
+    got = _train(tmp_path / "sharded", steps=2, nproc=3,
+                 extra=DISAGG + init + ["rollout.placement=disaggregated", layout])
     for r, m in zip(ref, got):
         for k in EXACT:
             assert m[k] == r[k], k
         assert m["train/loss"] == pytest.approx(r["train/loss"], rel=1e-5, abs=1e-7)
         assert m["train/grad_norm"] == pytest.approx(r["train/grad_norm"], rel=1e-3)
         assert m["trace/code_mismatch_after"] == 0 and m["trace/code_mismatch_before"] > 0
-        # the engine holds exactly the gathered weights and TRACE replays under TP + sequence parallelism
+        # the engine holds exactly the gathered weights and TRACE replays on the shards
         assert m["mismatch/logp_abs_diff"] == pytest.approx(r["mismatch/logp_abs_diff"], rel=0.05, abs=1e-7)
 
 

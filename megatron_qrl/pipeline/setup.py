@@ -73,7 +73,7 @@ class RunSetup:
 
             engine = build_sglang_run_engine(cfg, me)
         else:
-            engine = EmbeddedEngine(cfg) if place.is_engine(me) else None
+            engine = EmbeddedEngine(engine_config(cfg)) if place.is_engine(me) else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
         s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
@@ -101,7 +101,7 @@ class RunSetup:
             old.release_memory()
         except Exception:  # noqa: BLE001 - a broken engine may not even release cleanly
             pass
-        self.engine = type(old)(self.cfg)
+        self.engine = type(old)(engine_config(self.cfg))
 
     def save_config(self) -> None:
         """The resolved config beside the checkpoints (rank 0, atomic)."""
@@ -149,6 +149,13 @@ class RunSetup:
     def train_key(name: str) -> str:
         """Trainer stat names -> the metric names of docs/metrics.md."""
         return _TRAIN_KEYS.get(name, name if "/" in name else f"train/{name}")
+
+
+def engine_config(cfg):
+    """The engine builds the whole model: the same config with a 1x1x1 trainer layout (the model definition
+    reads its pipeline split from the config)."""
+    one = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, "expert_tensor_parallel": 1}
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update=one)})
 
 
 def check_job(cfg, world_size: int) -> None:

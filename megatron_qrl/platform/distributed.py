@@ -120,6 +120,9 @@ def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] =
         sync_ranks = [0, *place.engine_ranks]
         group = dist.new_group(sync_ranks if me in sync_ranks else [me], use_local_synchronization=True)
         _WEIGHT_SYNC_GROUP = group if me in sync_ranks else None
+        trainers = list(range(world))   # the same: one group per rank (engines: a placeholder)
+        group = dist.new_group(trainers if place.is_trainer(me) else [me], use_local_synchronization=True)
+        _TRAINER_GROUP = group if place.is_trainer(me) else None
         own = layout if place.is_trainer(me) else Layout()
         with _local_group_creation(ps):   # only the members of each group take part in creating it
             ps.initialize_model_parallel(
@@ -127,22 +130,34 @@ def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] =
                 expert_model_parallel_size=own.ep, expert_tensor_parallel_size=own.etp,
                 local_world_size=world if place.is_trainer(me) else 1,
                 rank_offset=0 if place.is_trainer(me) else me)
-        _TRAINER_GROUP = (dist.new_group(list(range(world)), use_local_synchronization=True)
-                          if place.is_trainer(me) else None)
     _PLACEMENT = place
     seed_everything(seed)
 
 
 class _local_group_creation:
-    """Megatron's create_group with use_local_synchronization=True for the duration of a with-block."""
+    """Megatron's create_group with use_local_synchronization=True for the duration of a with-block.
+
+    Megatron calls create_group on every rank for every group; with local synchronization only members
+    register a group, and torch names a locally synchronized group by the number of groups the process
+    registered before. A rank outside a group therefore registers a one-rank placeholder instead, so that
+    all ranks keep the same count (otherwise e.g. PP's first-stage-only position-embedding group would
+    make the next shared group hang)."""
 
     def __init__(self, ps):
         self.ps, self.original = ps, ps.create_group
 
     def __enter__(self):
-        from functools import partial
+        original = self.original
 
-        self.ps.create_group = partial(self.original, use_local_synchronization=True)
+        def create_group(ranks=None, *args, **kwargs):
+            me = dist.get_rank()
+            if ranks is not None and me not in ranks:
+                dist.new_group([me], use_local_synchronization=True)
+                return None
+            kwargs["use_local_synchronization"] = True
+            return original(ranks, *args, **kwargs)
+
+        self.ps.create_group = create_group
 
     def __exit__(self, *exc):
         self.ps.create_group = self.original
