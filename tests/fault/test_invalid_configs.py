@@ -63,14 +63,15 @@ def test_invalid_config_fails_before_process_groups_naming_field_and_fix(overrid
 
 
 def test_layout_that_cannot_tile_the_world_fails_before_process_groups(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")   # 3 trainer ranks + 1 engine rank
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
     with pytest.raises(ValueError, match=r"trainer.tensor_parallel\*trainer.pipeline_parallel \(2\) must divide "
                                          r"the number of trainer ranks \(3\); change the layout or the process count"):
-        main(["train", "--config", TINY, "run.output_dir=/nonexistent/never-written", "trainer.tensor_parallel=2"])
+        main(["train", "--config", TINY, "run.output_dir=/nonexistent/never-written", "trainer.tensor_parallel=2",
+              "rollout.placement=disaggregated"])
 
 
 def test_missing_config_file_names_the_fix():
