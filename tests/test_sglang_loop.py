@@ -174,11 +174,11 @@ def test_colocated_loop_syncs_hf_named_fp4_buckets_and_trains_on_the_samples(tmp
     # AQN: the norms sent are the embedded engine's effective weights w + Z for the same step and seed
     from megatron_qrl.models import set_aqn_noise
     from megatron_qrl.models.aqn_norm import aqn_norms
-    from megatron_qrl.pipeline.sglang_rollouts import _aqn_sigma, add_aqn_noise, local_payload
-    from megatron_qrl.pipeline.weight_sync import aqn_seed, unwrap
+    from megatron_qrl.pipeline.sglang_rollouts import add_aqn_noise
+    from megatron_qrl.pipeline.weight_sync import aqn_seed, local_payload, step_aqn_sigma, unwrap
 
     chunks = unwrap(s.trainer.model)
-    sigma, seed = _aqn_sigma(cfg, 1), aqn_seed(cfg.run.seed, 1)
+    sigma, seed = step_aqn_sigma(cfg, 1), aqn_seed(cfg.run.seed, 1)
     assert sigma > 0
     set_aqn_noise(chunks, sigma, generator=torch.Generator().manual_seed(seed))
     weights, hashes = local_payload(s.trainer, cfg)

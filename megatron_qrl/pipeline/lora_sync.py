@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from megatron_qrl.models import clear_aqn_noise, set_aqn_noise
 from megatron_qrl.models.lora import BASE_BUFFERS, lora_linears
-from megatron_qrl.rl import aqn_sigma
 from megatron_qrl.rollout.protocol import WeightUpdateError
-from megatron_qrl.rollout.weights import payload_digest, tensor_digest
+from megatron_qrl.rollout.weights import payload_digest, payload_nbytes, tensor_digest
 
-from .weight_sync import aqn_seed, unwrap
+from .weight_sync import aqn_seed, holds_digests, set_trainer_aqn
 
 
 def named_lora_linears(chunks: list) -> dict:
@@ -87,16 +83,10 @@ def sync_lora(engine, trainer, cfg, step: int, version: int) -> dict:
     weights = {n: p.detach() for n, p in named}
     hashes = {n: payload_digest(w) for n, w in weights.items()}
     engine.update_weights(weights, version, hashes)
-    held = engine.store.digests
-    hash_ok = float(all(held.get(n) == h for n, h in hashes.items()))
-    sigma = aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
-    seed = aqn_seed(cfg.run.seed, step)
-    engine.set_aqn_noise(sigma, seed)
-    if cfg.aqn.enabled and cfg.aqn.apply_to == "both":
-        set_aqn_noise(unwrap(trainer.model), sigma, generator=torch.Generator().manual_seed(seed))
-    else:
-        clear_aqn_noise(unwrap(trainer.model))
+    hash_ok = holds_digests(engine.store.digests, hashes)
+    sigma = set_trainer_aqn(trainer, cfg, step)
+    engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))
     base_bytes = sum(t.numel() * t.element_size() for t, _, _ in engine.lora_base_state)
     return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": hash_ok, "sync/tensors": float(len(hashes)),
-            "sync/bytes": float(sum(w.numel() * w.element_size() for w in weights.values())),
+            "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())),
             "sync/base_bytes": float(base_bytes), "sync/base_ok": float(base_unchanged(engine)), "aqn/sigma": sigma}

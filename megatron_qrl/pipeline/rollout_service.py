@@ -31,9 +31,11 @@ import torch.distributed as dist
 
 from megatron_qrl import fault_inject
 from megatron_qrl.platform.distributed import weight_sync_group
+from megatron_qrl.rollout.weights import payload_nbytes
+from megatron_qrl.trace.transport import comm_device
 
 from .evaluate import evaluate
-from .weight_sync import aqn_seed, set_trainer_aqn, sync_weights, trainer_payload
+from .weight_sync import aqn_seed, holds_digests, set_trainer_aqn, step_aqn_sigma, sync_weights, trainer_payload
 
 # ----------------------------------------------------------------------------------------- helpers
 
@@ -42,19 +44,22 @@ def _is_eval_step(cfg, step: int) -> bool:
     return bool(cfg.run.eval_every) and (step + 1) % cfg.run.eval_every == 0
 
 
-def _comm_device(group=None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def to_bytes(obj) -> bytes:
+    """torch.save, not pickle: pickle cannot serialize the float8 TRACE scales (torch 2.13)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def broadcast_object(obj, src: int, group=None):
-    """torch.save'd bytes from `src` to the group (pickle cannot carry float8 tensors; NCCL needs tensors)."""
-    device = _comm_device(group)
+    """to_bytes(obj) from `src` to the group as a uint8 tensor (NCCL moves tensors only)."""
+    device = comm_device(group)
     if dist.get_rank() == src:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
+        data = torch.frombuffer(bytearray(to_bytes(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     else:
         size = torch.empty(1, dtype=torch.int64, device=device)
@@ -62,17 +67,15 @@ def broadcast_object(obj, src: int, group=None):
     if dist.get_rank() != src:
         data = torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(data, src, group=group)
-    return obj if dist.get_rank() == src else torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
+    return obj if dist.get_rank() == src else from_bytes(data.cpu().numpy().tobytes())
 
 
 def gather_from_engines(payload, place):
     """all_gather_object over the default group: engines contribute `payload`, trainers None; returns the
     engines' payloads in engine order on every rank."""
-    buf = io.BytesIO()
-    torch.save(payload, buf)
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, buf.getvalue())
-    return [torch.load(io.BytesIO(parts[r]), weights_only=False) for r in place.engine_ranks]
+    dist.all_gather_object(parts, to_bytes(payload))
+    return [from_bytes(parts[r]) for r in place.engine_ranks]
 
 
 def engine_share(num_prompts: int, engine_index: int, num_engines: int) -> tuple[int, int]:
@@ -147,12 +150,11 @@ class RemoteRollouts:
             return {"aqn/sigma": sigma}
         broadcast_object({"cmd": "generate", "step": step, "version": step, "eval": _is_eval_step(s.cfg, step),
                           "weights": weights, "hashes": hashes}, src=0, group=self.group)
-        ok = torch.ones(1, device=_comm_device(self.group))
+        ok = torch.ones(1, device=comm_device(self.group))
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)   # the engines' digest audits
-        nbytes = sum(sum(t.numel() * t.element_size() for t in getattr(w, "parts", lambda: [w])())
-                     for w in weights.values())
         return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": float(ok.item()),
-                "sync/tensors": float(len(hashes)), "sync/bytes": float(nbytes), "aqn/sigma": sigma}
+                "sync/tensors": float(len(hashes)),
+                "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())), "aqn/sigma": sigma}
 
     def generate(self, prompts: list, step: int):
         parts = gather_from_engines(None, self.place)
@@ -221,7 +223,7 @@ def serve_rollouts(s, place) -> None:
             continue
         step = msg["step"]
         ok = _install(s.engine, msg, cfg)
-        dist.all_reduce(torch.tensor([ok], device=_comm_device(group)), op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(torch.tensor([ok], device=comm_device(group)), op=dist.ReduceOp.MIN, group=group)
         prompts = next(s.prompts)
         first, stop = engine_share(len(prompts), me, len(place.engine_ranks))
         samples = [p for p in prompts[first:stop] for _ in range(G)]
@@ -243,9 +245,8 @@ def serve_rollouts(s, place) -> None:
 def _install(engine, msg: dict, cfg) -> float:
     """Weights (digest-checked) and the step's AQN draw; returns 1.0 when the engine holds exactly the digests."""
     engine.update_weights(msg["weights"], msg["version"], msg["hashes"])
-    engine.set_aqn_noise(_aqn_sigma(cfg, msg["step"]), aqn_seed(cfg.run.seed, msg["step"]))
-    held = engine.store.digests
-    return float(all(held.get(n) == h for n, h in msg["hashes"].items()))
+    engine.set_aqn_noise(step_aqn_sigma(cfg, msg["step"]), aqn_seed(cfg.run.seed, msg["step"]))
+    return holds_digests(engine.store.digests, msg["hashes"])
 
 
 def _generate_with_restarts(s, msg: dict, samples: list, index_offset: int) -> list:
@@ -270,12 +271,6 @@ def _generate_with_restarts(s, msg: dict, samples: list, index_offset: int) -> l
             s.restart_engine()
             _install(s.engine, msg, s.cfg)
     return []
-
-
-def _aqn_sigma(cfg, step: int) -> float:
-    from megatron_qrl.rl import aqn_sigma
-
-    return aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
 
 
 def build_rollouts(s, place) -> Optional[object]:

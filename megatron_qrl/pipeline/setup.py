@@ -19,6 +19,7 @@ from megatron_qrl.rollout.protocol import SamplingParams
 from .guards import StepGuard
 from .losses import sft_loss
 from .rollout_batch import RolloutBatch, encode_prompts, sft_batch
+from .rollout_service import build_rollouts, from_bytes, to_bytes
 from .run_state import complete_checkpoints, mark_latest, step_path
 from .trace_bridge import TraceBridge
 from .weight_sync import check_rl_layout
@@ -52,8 +53,6 @@ class RunSetup:
         from megatron_qrl.platform.distributed import init_process_group
         from megatron_qrl.rollout.embedded import EmbeddedEngine
         from megatron_qrl.trainer import Trainer
-
-        from .rollout_service import build_rollouts
 
         check_rl_layout(cfg)
         # disaggregated: engines wait in a collective while the trainers run the SFT warm start
@@ -176,26 +175,11 @@ def generate_shard(s: RunSetup, prompts: list, step: int):
     rollouts = s.guard.generate(encode_prompts(s.tokenizer, samples), sampling, step)  # restarts a failed engine
     if s.dp_size > 1:
         parts: list = [None] * s.dp_size  # colocated, data parallel only (check_rl_layout): the DP group is WORLD
-        dist.all_gather_object(parts, _to_bytes((samples, rollouts)))
-        parts = [_from_bytes(p) for p in parts]
+        dist.all_gather_object(parts, to_bytes((samples, rollouts)))
+        parts = [from_bytes(p) for p in parts]
         samples = [x for p in parts for x in p[0]]
         rollouts = [x for p in parts for x in p[1]]
     return samples, rollouts
-
-
-def _to_bytes(obj) -> bytes:
-    """torch.save, not pickle: pickle cannot serialize the float8 TRACE scales (torch 2.13)."""
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _from_bytes(data: bytes):
-    import io
-
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Tensor] = None,

@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.rollout.weights import FP4Tensor, pack_state, payload_digest
+from megatron_qrl.rollout.weights import payload_digest, payload_nbytes
 
-from .weight_sync import aqn_seed, quantized_weight_names, set_trainer_aqn, trainer_payload, unwrap
+from .weight_sync import aqn_seed, holds_digests, local_payload, set_trainer_aqn, trainer_payload
 
 
 def build_sglang_run_engine(cfg, rank: int):
@@ -42,14 +42,6 @@ def build_sglang_run_engine(cfg, rank: int):
 
 
 # ------------------------------------------------------------------------------------------ weights
-def local_payload(trainer, cfg):
-    """(weights, digests) of this rank's own unsharded trainer (colocated, data parallel: no communication)."""
-    chunks = unwrap(trainer.model)
-    quantized = quantized_weight_names(chunks, cfg)
-    named = ((n, p.detach()) for c in chunks for n, p in c.named_parameters())
-    return pack_state(named, cfg.rollout.weights, quantized.__contains__)
-
-
 def add_aqn_noise(weights: dict, hashes: dict, cfg, sigma: float, seed: int) -> None:
     """The engine's AQN draw folded into the sent norm weights: w + Z for every (layer, AQN norm), drawn in
     models.set_aqn_noise's order from the same seed; digests of the changed payloads recomputed."""
@@ -68,22 +60,13 @@ def add_aqn_noise(weights: dict, hashes: dict, cfg, sigma: float, seed: int) -> 
             hashes[name] = payload_digest(weights[name])
 
 
-def _aqn_sigma(cfg, step: int) -> float:
-    from megatron_qrl.rl import aqn_sigma
-
-    return aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
-
-
 def _install(engine, weights: dict, hashes: dict, version: int, sigma: float, t0: float) -> dict:
     engine.update_weights(weights, version, hashes)
     audit = engine.last_audit
-    held = engine.digests
-    return {"sync/s": time.perf_counter() - t0,
-            "sync/hash_ok": float(all(held.get(n) == h for n, h in hashes.items())),
+    return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": holds_digests(engine.digests, hashes),
             "sync/tensors": float(len(hashes)), "sync/wire_tensors": float(audit.get("wire_tensors", 0)),
             "sync/buckets": float(audit.get("buckets", 0)),
-            "sync/bytes": float(sum(w.nbytes() if isinstance(w, FP4Tensor) else w.numel() * w.element_size()
-                                    for w in weights.values())),
+            "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())),
             "aqn/sigma": sigma}
 
 
@@ -101,7 +84,7 @@ def sync_sglang(engine, trainer, cfg, step: int, version: int) -> dict:
         weights, hashes, _ = engine.retained_update
         return _install(engine, weights, hashes, version, sigma, t0)
     weights, hashes = local_payload(trainer, cfg)
-    add_aqn_noise(weights, hashes, cfg, _aqn_sigma(cfg, step), aqn_seed(cfg.run.seed, step))
+    add_aqn_noise(weights, hashes, cfg, sigma, aqn_seed(cfg.run.seed, step))
     return _install(engine, weights, hashes, version, sigma, t0)
 
 
@@ -119,7 +102,7 @@ class SGLangServerRollouts:
         weights, hashes = trainer_payload(s.trainer, s.cfg)        # collective over the trainer ranks
         if dist.get_rank() != 0:
             return {"aqn/sigma": sigma}
-        add_aqn_noise(weights, hashes, s.cfg, _aqn_sigma(s.cfg, step), aqn_seed(s.cfg.run.seed, step))
+        add_aqn_noise(weights, hashes, s.cfg, sigma, aqn_seed(s.cfg.run.seed, step))
         s.engine.retained_update = (weights, hashes, step)      # for a restart during this step's generation
         return _install(s.engine, weights, hashes, step, sigma, t0)
 

@@ -47,9 +47,19 @@ def aqn_seed(run_seed: int, step: int) -> int:
     return (run_seed * 1_000_003 + step) % (2 ** 31)
 
 
+def step_aqn_sigma(cfg, step: int) -> float:
+    """This step's AQN noise std (0 when AQN is off)."""
+    return aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
+
+
+def holds_digests(held, hashes) -> float:
+    """The post-sync audit: 1.0 when the engine holds exactly the digests that were sent."""
+    return float(held is not None and all(held.get(n) == h for n, h in hashes.items()))
+
+
 def set_trainer_aqn(trainer, cfg, step: int) -> float:
     """The trainer's side of AQN for `step`: the engine's draw too (apply_to=both) or none; returns sigma."""
-    sigma = aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
+    sigma = step_aqn_sigma(cfg, step)
     if cfg.aqn.enabled and cfg.aqn.apply_to == "both":
         set_aqn_noise(unwrap(trainer.model), sigma, generator=torch.Generator().manual_seed(aqn_seed(cfg.run.seed, step)))
     else:
@@ -72,29 +82,38 @@ def quantized_weight_names(chunks: list[torch.nn.Module], cfg) -> set[str]:
     return out
 
 
+def local_payload(trainer, cfg):
+    """(weights, digests) of this rank's unsharded trainer: the codec's FP4 bytes of the quantized linears,
+    the other parameters as they are (no communication)."""
+    from megatron_qrl.rollout.weights import pack_state
+
+    chunks = unwrap(trainer.model)
+    quantized = quantized_weight_names(chunks, cfg)
+    named = ((n, p.detach()) for c in chunks for n, p in c.named_parameters())
+    return pack_state(named, cfg.rollout.weights, quantized.__contains__)
+
+
 def trainer_payload(trainer, cfg):
-    """(weights, digests) for an engine elsewhere: the codec's FP4 bytes of the quantized linears, the rest as
-    is, under the unsharded model's names. Collective over the trainer ranks when the trainer is sharded
-    (gather_weights); returns (None, None) on every trainer rank but 0, the one that sends."""
+    """local_payload for an engine elsewhere, under the unsharded model's names. Collective over the trainer
+    ranks when the trainer is sharded (gather_weights); returns (None, None) on every trainer rank but 0,
+    the one that sends."""
     from megatron_qrl.platform import trainer_group
     from megatron_qrl.rollout.weights import pack_state
 
     from .gather_weights import full_named_parameters, global_names
 
-    chunks = unwrap(trainer.model)
-    quantized = global_names(chunks, quantized_weight_names(chunks, cfg))
     t = cfg.trainer
-    if t.tensor_parallel * t.pipeline_parallel * t.expert_parallel > 1:
-        named = full_named_parameters(chunks)
-        group = trainer_group()
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, sorted(quantized), group=group)
-        quantized = {n for p in parts for n in p}
-    else:
-        named = {n: p.detach() for c in chunks for n, p in c.named_parameters()}
+    if t.tensor_parallel * t.pipeline_parallel * t.expert_parallel == 1:
+        return local_payload(trainer, cfg) if dist.get_rank() == 0 else (None, None)
+    chunks = unwrap(trainer.model)
+    named = full_named_parameters(chunks)
+    group = trainer_group()
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, sorted(global_names(chunks, quantized_weight_names(chunks, cfg))), group=group)
     if dist.get_rank() != 0:
         return None, None
-    return pack_state(named.items(), cfg.rollout.weights, lambda n: n in quantized)
+    quantized = {n for p in parts for n in p}
+    return pack_state(named.items(), cfg.rollout.weights, quantized.__contains__)
 
 
 def sync_weights(engine, trainer, cfg, step: int, version: int) -> dict:
@@ -109,8 +128,7 @@ def sync_weights(engine, trainer, cfg, step: int, version: int) -> dict:
         return sync_sglang(engine, trainer, cfg, step, version)
     t0 = time.perf_counter()
     hashes = engine.sync_from_model(unwrap(trainer.model), version)
-    held = getattr(getattr(engine, "store", None), "digests", None)
-    hash_ok = float(held is not None and all(held.get(n) == h for n, h in hashes.items()))
+    hash_ok = holds_digests(getattr(getattr(engine, "store", None), "digests", None), hashes)
     sigma = set_trainer_aqn(trainer, cfg, step)
     engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))
     store = getattr(engine, "store", None)

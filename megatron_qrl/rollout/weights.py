@@ -102,6 +102,11 @@ class FP4Tensor:
 Payload = Union[torch.Tensor, FP4Tensor]
 
 
+def payload_nbytes(x: Payload) -> int:
+    """Bytes a payload occupies (packed FP4 parts, or the plain tensor)."""
+    return x.nbytes() if isinstance(x, FP4Tensor) else x.numel() * x.element_size()
+
+
 def payload_digest(x: Payload, algorithm: str = DEFAULT_DIGEST) -> str:
     """Digest of a sync payload: a plain tensor's tensor_digest, or one digest over an FP4Tensor's parts."""
     if isinstance(x, torch.Tensor):
@@ -228,8 +233,7 @@ class WeightStore:
         return sorted(set(self.params) - set(self.entries))
 
     def nbytes(self) -> int:
-        return sum(p.nbytes() if isinstance(p, FP4Tensor) else p.numel() * p.element_size()
-                   for p in self.entries.values())
+        return sum(payload_nbytes(p) for p in self.entries.values())
 
     def offload(self) -> None:
         """Move the packed payloads to host memory (colocated mode, while the trainer runs)."""

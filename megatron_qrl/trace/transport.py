@@ -171,7 +171,8 @@ def local_shard(cache: TraceCache, spec: ShardSpec, metrics=None) -> TraceCache:
     return piece
 
 
-def _comm_device(group) -> torch.device:
+def comm_device(group=None) -> torch.device:
+    """Where a collective's buffers must live: the current CUDA device for NCCL, the CPU for gloo."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -186,7 +187,7 @@ def exchange(local: Optional[TraceCache], specs: Mapping[int, ShardSpec], group=
     the same on every rank (compute them from the layout, or use gather_specs).
     """
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    device = _comm_device(group)
+    device = comm_device(group)
     blobs = [torch.zeros(0, dtype=torch.uint8)] * world
     if local is not None:
         check_checksum(local)   # never forward a corrupted cache under a fresh checksum
@@ -221,7 +222,7 @@ def exchange(local: Optional[TraceCache], specs: Mapping[int, ShardSpec], group=
 
 def gather_specs(spec: Optional[ShardSpec], group=None) -> dict[int, ShardSpec]:
     """Every rank's spec (None for ranks that receive nothing), gathered as size-prefixed bytes."""
-    device = _comm_device(group)
+    device = comm_device(group)
     world = dist.get_world_size(group)
     data = spec.to_json().encode() if spec is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
@@ -241,7 +242,7 @@ def gather_specs(spec: Optional[ShardSpec], group=None) -> dict[int, ShardSpec]:
 
 def send_cache(cache: TraceCache, dst: int, group=None) -> int:
     """Point-to-point: size (int64) then bytes; returns the bytes sent."""
-    device = _comm_device(group)
+    device = comm_device(group)
     blob = to_bytes(cache, device=device)
     dist.send(torch.tensor([blob.numel()], dtype=torch.int64, device=device), dst, group=group)
     dist.send(blob, dst, group=group)
@@ -250,7 +251,7 @@ def send_cache(cache: TraceCache, dst: int, group=None) -> int:
 
 def recv_cache(src: int, group=None) -> TraceCache:
     """Counterpart of send_cache; the checksum is verified."""
-    device = _comm_device(group)
+    device = comm_device(group)
     size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, src, group=group)
     blob = torch.empty(int(size), dtype=torch.uint8, device=device)
