@@ -23,7 +23,7 @@ from megatron_qrl.quant.fake_quant import GuidedRounding
 
 from .fp4_quant import (MXFP4_BLOCK, NVFP4_BLOCK, ROWS_FIRST, _as_blocks, _block_amax, _check_amax_bits,
                         _e2m1_nearest, _e2m1_value, _e4m3_to_f32, _gs_from_amax, _load_global_scale, _load_tile,
-                        _mxfp4_block_scale, _negative, _nvfp4_block_scale, _nvfp4_scaled, _store_tile,
+                        _mxfp4_block_scale, _negative, _nvfp4_block_scale, _nvfp4_scaled, _pack_store, _store_tile,
                         amax_bits, as_global_scale, check_input_fast)
 
 DEFAULT_CONFIG = {"nvfp4": {"BB": 128, "num_warps": 4}, "mxfp4": {"BB": 128, "num_warps": 4}}
@@ -90,11 +90,15 @@ def _cast_out(v, out_ty: tl.constexpr, NATIVE_CAST: tl.constexpr):
 
 @triton.jit
 def _fp4_fake_quant_kernel(x_ptr, out_ptr, gs_ptr, gs_out_ptr, scales_ptr, bits_ptr, count_ptr, n_blocks, nkb, thr,
+                           cap_packed_ptr, cap_scales_ptr, cap_bits_ptr,
                            FMT: tl.constexpr, MODE: tl.constexpr, BB: tl.constexpr, C: tl.constexpr,
                            HAS_MASK: tl.constexpr, DIV: tl.constexpr, ROUND: tl.constexpr,
                            CHECK: tl.constexpr, COUNT: tl.constexpr, NATIVE_CAST: tl.constexpr,
-                           RB: tl.constexpr, PER_ROW: tl.constexpr, GS_AMAX: tl.constexpr):
-    """FMT 0 = NVFP4, 1 = MXFP4; MODE: 0 nearest, 1 nearest with given scales, 2 guided."""
+                           RB: tl.constexpr, PER_ROW: tl.constexpr, GS_AMAX: tl.constexpr,
+                           CAPTURE: tl.constexpr = False):
+    """FMT 0 = NVFP4, 1 = MXFP4; MODE: 0 nearest, 1 nearest with given scales, 2 guided.
+    CAPTURE (MODE 0): also the quantize kernel's outputs -- packed codes, block-scale bytes and the TRACE
+    mantissa bits -- from the same pass, so the engine's capture costs no extra launch."""
     G: tl.constexpr = 16 if FMT == 0 else 32
     blk0 = tl.program_id(0).to(tl.int64) * BB
     rows = tl.arange(0, BB)
@@ -147,6 +151,13 @@ def _fp4_fake_quant_kernel(x_ptr, out_ptr, gs_ptr, gs_out_ptr, scales_ptr, bits_
     val = (val.to(tl.int32, bitcast=True) | tl.where(neg, -2147483648, 0)).to(tl.float32, bitcast=True)
     out = _cast_out(val * dq[None, :, None], out_ptr.dtype.element_ty, NATIVE_CAST)
     _store_tile(out_ptr, out, rows, mask, BB, G, C, HAS_MASK, RB)
+    if CAPTURE:
+        if HAS_MASK:
+            tl.store(cap_scales_ptr + blk0 + rows, scode.to(tl.uint8), mask=mask)
+        else:
+            tl.store(cap_scales_ptr + blk0 + rows, scode.to(tl.uint8))
+        _pack_store(mag | tl.where(neg, 8, 0), cap_packed_ptr + blk0 * (G // 2), cap_bits_ptr + blk0 * (G // 8),
+                    rows, mask, BB, G, C, True, HAS_MASK, RB)
     if MODE == 2:
         if COUNT:
             fb = fallback
@@ -165,9 +176,9 @@ def _threshold(fallback_shift: float) -> float:
 
 
 def _launch(x, fmt, mode, gs, scales_u8, bits, fallback_shift, count, BB, num_warps, div, round_impl, check,
-            rows_first, amax=None):
+            rows_first, amax=None, capture=None):
     """The fake-quant kernel; NVFP4 with gs=None takes `amax` (fp4_quant.amax_bits) and computes the global
-    scale in the kernel."""
+    scale in the kernel. capture: (packed, scales, bits) uint8 outputs to fill as well (MODE_NEAREST)."""
     G = NVFP4_BLOCK if fmt == 0 else MXFP4_BLOCK
     n_blocks = x.numel() // G
     out = torch.empty_like(x)
@@ -182,11 +193,11 @@ def _launch(x, fmt, mode, gs, scales_u8, bits, fallback_shift, count, BB, num_wa
         x, out, amax if gs_amax else (gs if gs is not None else dummy), gs_out,
         scales_u8 if scales_u8 is not None else dummy,
         bits if bits is not None else dummy, count if count is not None else dummy, n_blocks, x.shape[-1] // G,
-        thr,
+        thr, *(capture if capture is not None else (dummy, dummy, dummy)),
         FMT=fmt, MODE=mode, BB=BB, C=16 // x.element_size(), HAS_MASK=(n_blocks % BB != 0), DIV=div,
         ROUND=round_impl, CHECK=check, COUNT=count is not None, NATIVE_CAST=x.is_cuda,
         RB=ROWS_FIRST if rows_first is None else rows_first, PER_ROW=gs is not None and gs.dim() > 0,
-        GS_AMAX=gs_amax,
+        GS_AMAX=gs_amax, CAPTURE=capture is not None,
         num_warps=num_warps)
     return out
 
@@ -301,6 +312,35 @@ def mxfp4_fake_quant_triton(x: torch.Tensor, guide: Optional[GuidedRounding] = N
     return _finish(out.view(x.shape), count, x, stats, return_fallback)
 
 
+def fp4_fake_quant_capture_triton(x: torch.Tensor, fmt: str, global_scale: Optional[torch.Tensor] = None):
+    """The engine's W4A4 activation quantizer with TRACE capture, in one launch: returns
+    (dequant(quant(x)) in x's dtype, packed uint8 [..., K/2], scales [..., K/G], bits uint8 [..., K/8]) with
+    exactly the bytes of `nvfp4_quantize_triton(x, gs, capture=True)` / `mxfp4_quantize_triton(x, capture=True)`
+    and the dequantized values of `nvfp4_fake_quant_triton` / `mxfp4_fake_quant_triton` (nearest rounding).
+    NVFP4 needs its global scale (a scalar or one per row [..., 1]); scales are float8_e4m3fn (NVFP4) or E8M0
+    uint8 (MXFP4). No host synchronisation (non-finite input gives unspecified bytes, like check_finite=False).
+    """
+    where = "fp4_fake_quant_capture_triton"
+    G = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}.get(fmt)
+    if G is None:
+        raise ValueError(f"{where}: unknown FP4 format '{fmt}'; use nvfp4 or mxfp4")
+    check_input_fast(x, G, where)
+    gs = None
+    if fmt == "nvfp4":
+        if global_scale is None:
+            raise ValueError(f"{where}: NVFP4 capture needs the global scale (the caller's amax / (6 * 448))")
+        gs = as_global_scale(global_scale, x, where)
+    xc = _as_blocks(x.detach())
+    lead, K = tuple(xc.shape[:-1]), xc.shape[-1]
+    packed = torch.empty((*lead, K // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((*lead, K // G), dtype=torch.uint8, device=x.device)
+    bits = torch.empty((*lead, K // 8), dtype=torch.uint8, device=x.device)
+    cfg = DEFAULT_CONFIG[fmt]
+    out = _launch(xc, 0 if fmt == "nvfp4" else 1, MODE_NEAREST, gs, None, None, 0.25, None, cfg["BB"],
+                  cfg["num_warps"], 1, 2, fmt == "nvfp4", None, capture=(packed, scales, bits))
+    return out.view(x.shape), packed, (scales.view(torch.float8_e4m3fn) if fmt == "nvfp4" else scales), bits
+
+
 class _StraightThrough(torch.autograd.Function):
     """Forward: the fake-quantized tensor; backward: the gradient unchanged (STE)."""
 
@@ -328,4 +368,5 @@ def fake_quant_ste_triton(x: torch.Tensor, fmt: str = "nvfp4", guide: Optional[G
     return _StraightThrough.apply(x, q)
 
 
-__all__ = ["nvfp4_fake_quant_triton", "mxfp4_fake_quant_triton", "fake_quant_ste_triton", "DEFAULT_CONFIG"]
+__all__ = ["nvfp4_fake_quant_triton", "mxfp4_fake_quant_triton", "fp4_fake_quant_capture_triton", "fake_quant_ste_triton",
+           "DEFAULT_CONFIG"]

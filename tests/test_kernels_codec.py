@@ -350,6 +350,49 @@ def mxfp4_fake_quant(dev):
 
 
 @check
+def fake_quant_capture(dev):
+    """The engine's fused W4A4 quantizer with TRACE capture: the quantize kernel's bytes (codes, scales, bits)
+    and the fake-quant kernel's values from one launch, for both formats, scalar and per-row global scales,
+    every dtype and input family (incl. a partial last tile)."""
+    import torch
+    from megatron_qrl.kernels.fp4_fake_quant import (fp4_fake_quant_capture_triton, mxfp4_fake_quant_triton,
+                                                     nvfp4_fake_quant_triton)
+    from megatron_qrl.kernels.fp4_quant import mxfp4_quantize_triton, nvfp4_quantize_triton
+    from megatron_qrl.quant import nvfp4_global_scale
+    for dt in DTYPES:
+        dtype = getattr(torch, dt)
+        fams = _families(torch, dtype, rows=24, cols=128, seed=5)
+        for name in ("normal", "outliers", "zero_blocks", "ties", "row_scaled"):
+            x = fams[name].to(dev)
+            gs = nvfp4_global_scale(x.float().abs().amax().cpu()).to(dev)
+            per_row = (x.float().abs().amax(dim=-1, keepdim=True) / (6 * 448)).clamp_min(2.0 ** -60)
+            for g, what in ((gs, "scalar gs"), (per_row, "per-row gs")):
+                deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "nvfp4", g)
+                ref = nvfp4_quantize_triton(x, g, capture=True, check_finite=False)
+                _cmp_quant((packed, scales.view(torch.uint8), bits),
+                           (ref[0], ref[1].view(torch.uint8), ref[3]), f"nvfp4 {dt}/{name} {what}")
+                _assert_equal(deq, nvfp4_fake_quant_triton(x, global_scale=g, check_finite=False),
+                              f"nvfp4 {dt}/{name} {what} values")
+            deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "mxfp4")
+            _cmp_quant((packed, scales, bits), mxfp4_quantize_triton(x, capture=True, check_finite=False),
+                       f"mxfp4 {dt}/{name}")
+            _assert_equal(deq, mxfp4_fake_quant_triton(x, check_finite=False), f"mxfp4 {dt}/{name} values")
+    x = torch.randn(3, 5, 48, device=dev)                     # leading dims, 45 blocks: a partial tile
+    deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "nvfp4", torch.tensor(0.01, device=dev))
+    assert packed.shape == (3, 5, 24) and scales.shape == (3, 5, 3) and bits.shape == (3, 5, 6)
+    _assert_equal(deq, nvfp4_fake_quant_triton(x, global_scale=torch.tensor(0.01, device=dev), check_finite=False),
+                  "leading dims")
+    for bad, msg in ((lambda: fp4_fake_quant_capture_triton(x, "nvfp4"), "needs the global scale"),
+                     (lambda: fp4_fake_quant_capture_triton(x, "int4"), "unknown FP4 format")):
+        try:
+            bad()
+        except ValueError as e:
+            assert msg in str(e), e
+        else:
+            raise AssertionError(f"expected ValueError: {msg}")
+
+
+@check
 def dispatcher_and_ste(dev):
     """megatron_qrl.kernels entry points route to the kernels and keep the reference's results."""
     import torch

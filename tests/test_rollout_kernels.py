@@ -99,3 +99,45 @@ def test_scatter_grouped_equals_per_expert():
     with pytest.raises(RuntimeError, match="captured rows"):
         scatter_records([GroupedCaptureRecord(0, "fc1", experts[1:], packed[1:], scales[1:], gs_rows[1:], bits[1:])],
                         routed, T, [0], "nvfp4")
+
+
+def _step_records(g, T, k, E, K, grouped: bool):
+    """One forward's routed ids and capture records of layer 0 fc1 (per-expert or one grouped record)."""
+    routed = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(T, 1, k).to(torch.int16)
+    experts = torch.sort(routed[:, 0, :].reshape(-1).long(), stable=True).values
+    n = T * k
+    bits = torch.randint(0, 256, (n, K // 8), dtype=torch.uint8, generator=g)
+    scales = torch.rand(n, K // 16, generator=g).to(torch.float8_e4m3fn)
+    packed = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, generator=g)
+    gs_e = torch.rand(E, generator=g)
+    if grouped:
+        return routed, [GroupedCaptureRecord(0, "fc1", experts, packed, scales, gs_e[experts], bits)]
+    recs = []
+    for e in range(E):
+        rows = (experts == e).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            recs.append(CaptureRecord(f"L0.fc1.E{e}", packed[rows], scales[rows], gs_e[e], bits[rows]))
+    return routed, recs[::-1]
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_scatter_steps_equals_per_step_scatter(grouped):
+    """One scatter over a whole generate() (what the engine now does at the end of the call) places every
+    row exactly where scattering each forward on its own would, also when steps have different token counts."""
+    from megatron_qrl.rollout.capture import scatter_steps
+
+    g = torch.Generator().manual_seed(7)
+    k, E, K = 2, 5, 32
+    steps = [_step_records(g, T, k, E, K, grouped) for T in (6, 1, 3, 4)]
+    per_step = [scatter_records(recs, routed, routed.shape[0], [0], "nvfp4", keep_codes=True)[0]["fc1"]
+                for routed, recs in steps]
+    routed_all = torch.cat([routed for routed, _ in steps])
+    whole = scatter_steps([(recs, routed.shape[0]) for routed, recs in steps], routed_all, [0], "nvfp4",
+                          keep_codes=True)[0]["fc1"]
+    for attr in ("bits", "codes", "global_scale"):
+        assert torch.equal(getattr(whole, attr), torch.cat([getattr(c, attr) for c in per_step])), attr
+    assert torch.equal(whole.scales.view(torch.uint8), torch.cat([c.scales.view(torch.uint8) for c in per_step]))
+    # rows of step 1 swapped with step 2's would still have the right experts but the wrong step: caught
+    swapped = [(steps[0][1], 6), (steps[2][1], 1), (steps[1][1], 3), (steps[3][1], 4)]
+    with pytest.raises(RuntimeError, match="do not follow the routed experts"):
+        scatter_steps(swapped, routed_all, [0], "nvfp4")

@@ -12,8 +12,9 @@ synchronisation; the table shows medians (also the minimum, and the median of th
 which waiting for other processes on a shared host does not inflate). capture overhead = median(mode) /
 median(off) - 1. All modes must produce identical tokens (capture does not change numerics); checked.
 One more generate() per mode with synchronised timers splits the time into the model forward, the
-capture post-processing (scatter_records), the rest of the engine step, the end-of-call collection (one
-device->host copy per captured tensor, `_collect`) and the per-sequence assembly.
+capture post-processing (`scatter_steps`, once per call at its end), the rest of the engine step, the
+rest of the end-of-call collection (one device->host copy per captured tensor, `_collect`) and the
+per-sequence assembly.
 Cache (from the 'half' / 'all' rollouts): TraceCacheBuilder.build (sort, dedup, CRC32), to_bytes
 (serialize), from_bytes(verify=True) (decode + CRC check, what a receiving rank does), and on CUDA the
 host->device copy of the serialized cache from pinned memory: each as a fraction of the rollout time.
@@ -59,12 +60,12 @@ def _median(xs):
 
 def breakdown(engine, prompts, sp, device) -> dict:
     """One extra generate() with timers (CUDA-synchronised) around the engine's parts: the model forward
-    (FP4 hooks and, when on, capture of the codes inside the linears), scatter_records (the captured rows
-    -> [token, slot] tensors), the rest of the step (capture set-up, device->host copies, per-sequence
-    slicing, sampling) and _to_sample (concatenating each sequence's chunks)."""
+    (FP4 hooks and, when on, capture of the codes inside the linears), scatter_steps (all steps' captured
+    rows -> [token, slot] tensors, once at the end of the call), the rest of the step (capture set-up,
+    sampling), the rest of _collect (one device->host copy per tensor, per-sequence split) and _to_sample."""
     from collections import defaultdict
 
-    import megatron_qrl.rollout.embedded as emb
+    import megatron_qrl.rollout.capture as cap
 
     acc: dict = defaultdict(float)
 
@@ -79,8 +80,8 @@ def breakdown(engine, prompts, sp, device) -> dict:
                 acc[name] += time.perf_counter() - t0
         return wrapper
 
-    original = emb.scatter_records
-    emb.scatter_records = timed("scatter_records", original)
+    original = cap.scatter_steps
+    cap.scatter_steps = timed("scatter_records", original)
     engine.runner.forward = timed("forward", engine.runner.forward)      # instance attributes shadow methods
     engine._step = timed("step", engine._step)
     engine._to_sample = timed("to_sample", engine._to_sample)
@@ -92,10 +93,10 @@ def breakdown(engine, prompts, sp, device) -> dict:
         _sync(device)
         total = time.perf_counter() - t0
     finally:
-        emb.scatter_records = original
+        cap.scatter_steps = original
         del engine.runner.forward, engine._step, engine._to_sample, engine._collect
     return {"total_s": total, "forward_s": acc["forward"], "scatter_records_s": acc["scatter_records"],
-            "step_rest_s": acc["step"] - acc["forward"] - acc["scatter_records"], "collect_s": acc["collect"],
+            "step_rest_s": acc["step"] - acc["forward"], "collect_s": acc["collect"] - acc["scatter_records"],
             "to_sample_s": acc["to_sample"], "scheduler_s": total - acc["step"] - acc["collect"] - acc["to_sample"]}
 
 

@@ -146,12 +146,12 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
                                      stats=stats)
             else:
                 gs = nvfp4_global_scale(_global_amax(x, group, amax_floor))
-                if _triton_ok(x):  # GPU capture (the engine's TRACE record): the same bytes from one kernel
-                    from megatron_qrl.kernels.fp4_quant import nvfp4_quantize_triton
+                if _triton_ok(x):  # GPU capture (the engine's TRACE record): values and bytes from one launch
+                    from megatron_qrl.kernels.fp4_fake_quant import fp4_fake_quant_capture_triton
 
-                    out = nvfp4_quantize_triton(x, gs, capture=capture, check_finite=False)
-                else:
-                    out = nvfp4_quantize(x, gs, "nearest", capture=capture)
+                    deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "nvfp4", gs)
+                    return deq, (packed, scales, gs, bits)
+                out = nvfp4_quantize(x, gs, "nearest", capture=capture)
             packed, scales, gs = out[:3]
             deq = nvfp4_dequantize(packed, scales, gs, dtype=x.dtype)
             return deq, ((packed, scales, gs, out[3]) if capture else None)

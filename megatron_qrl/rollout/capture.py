@@ -99,44 +99,82 @@ class GroupedCaptureRecord:
 def scatter_records(records: list, routed: Optional[torch.Tensor], num_tokens: int, moe_layers: list[int],
                     fmt: str, keep_codes: bool = False, errors: Optional[list] = None
                     ) -> dict[int, dict[str, ActivationCapture]]:
-    """Capture records of one forward -> per layer and role an ActivationCapture over the step's tokens.
+    """Capture records of one forward -> per layer and role an ActivationCapture over the step's tokens
+    (`scatter_steps` with one step)."""
+    return scatter_steps([(records, num_tokens)], routed, moe_layers, fmt, keep_codes, errors)
 
-    Routed-expert roles get rows [T, k] (slot j = routed[:, layer, j]); dense roles rows [T]. routed: int
-    [T, num_moe_layers, k] of the same forward. keep_codes also keeps the packed E2M1 codes
+
+STEP_KEY = 1 << 20   # (step, expert) sort key = step * STEP_KEY + expert; expert ids are < 2^16
+
+
+def scatter_steps(steps: list[tuple[list, int]], routed: Optional[torch.Tensor], moe_layers: list[int], fmt: str,
+                  keep_codes: bool = False, errors: Optional[list] = None) -> dict[int, dict[str, ActivationCapture]]:
+    """Capture records of several forwards -> per layer and role an ActivationCapture over all their tokens.
+
+    steps: (records, num_tokens) per forward, in order; routed: int [sum tokens, num_moe_layers, k], the
+    forwards' routed ids concatenated in the same order. Routed-expert roles get rows [T, k] (slot j =
+    routed[:, layer, j]); dense roles rows [T]. keep_codes also keeps the packed E2M1 codes
     (`ActivationCapture.codes`, for tests and debugging; the trainer needs only bits and scales).
 
-    Vectorised, no host synchronisation: the records of one layer and role, in expert order, are the
-    dispatcher's rows, i.e. the (token, slot) assignments stably sorted by expert; one sort of the routed
-    ids gives each row's (token, slot), one index_copy per tensor places them. The row count is checked
-    from shapes; the experts of the rows against the sorted ids on the device: with `errors` given, a
-    (description, device bool) pair is appended for the caller to check once (`check_capture_errors`),
-    otherwise it is checked here.
+    Run once per generate() over all its steps, so capture costs no host work per engine step: within one
+    forward the records of a layer and role, in expert order, are the dispatcher's rows, i.e. the
+    (token, slot) assignments stably sorted by expert; over several forwards, stably sorted by (step,
+    expert). One sort of those keys gives each row's (token, slot), one index_copy per tensor places it.
+    Row counts are checked from shapes; row experts against the sorted keys on the device: with `errors`
+    given, a (description, device bool) pair is appended for the caller to check once
+    (`check_capture_errors`), otherwise it is checked here.
     """
     layer_pos = {layer: i for i, layer in enumerate(moe_layers)}
+    dense: dict[tuple[int, str], list] = {}
+    routed_items: dict[tuple[int, str], list] = {}      # (layer, role) -> [(step, expert or None, record)]
+    for step, (records, num_tokens) in enumerate(steps):
+        seen = set()
+        for rec in records:
+            if isinstance(rec, GroupedCaptureRecord):
+                key = (rec.layer, rec.role, None)
+                if key in seen:
+                    raise RuntimeError(f"layer {rec.layer} {rec.role} was captured twice in one forward")
+                seen.add(key)
+                routed_items.setdefault((rec.layer, rec.role), []).append((step, None, rec))
+                continue
+            match = SITE.match(rec.site)
+            if match is None:
+                raise RuntimeError(f"capture record of unknown site '{rec.site}'")
+            layer, role = int(match.group(1)), match.group(2)
+            key = (layer, role, match.group(3))
+            if key in seen:
+                what = "site " + rec.site if match.group(3) is None else f"layer {layer} {role}: an expert"
+                raise RuntimeError(f"{what} was captured twice in one forward")
+            seen.add(key)
+            if match.group(3) is None:
+                dense.setdefault((layer, role), []).append(_dense_rows(rec, num_tokens, keep_codes))
+            else:
+                routed_items.setdefault((layer, role), []).append((step, int(match.group(3)), rec))
     out: dict[int, dict[str, ActivationCapture]] = {}
-    groups: dict[tuple[int, str], list] = {}
-    for rec in records:
-        if isinstance(rec, GroupedCaptureRecord):
-            groups.setdefault((rec.layer, rec.role), []).append((None, rec))
-            continue
-        match = SITE.match(rec.site)
-        if match is None:
-            raise RuntimeError(f"capture record of unknown site '{rec.site}'")
-        layer, role = int(match.group(1)), match.group(2)
-        if match.group(3) is None:
-            _put_dense(out, rec, layer, role, num_tokens, fmt, keep_codes)
-        else:
-            groups.setdefault((layer, role), []).append((int(match.group(3)), rec))
-    for (layer, role), items in groups.items():
-        k = routed.shape[-1]
+    for (layer, role), parts in dense.items():
+        cap = {name: _cat([p[name] for p in parts]) for name in parts[0]}
+        out.setdefault(layer, {})[role] = ActivationCapture(fmt, cap["bits"], cap["scales"], cap.get("global_scale"),
+                                                            cap.get("codes"))
+    if not routed_items:
+        return out
+    tokens = [n for _, n in steps]
+    total, k = sum(tokens), routed.shape[-1]
+    if routed.shape[0] != total:
+        raise RuntimeError(f"routed ids cover {routed.shape[0]} tokens, the captured forwards {total}")
+    device = routed.device
+    step_of_slot = (torch.repeat_interleave(torch.arange(len(steps), device=device),
+                                            torch.tensor(tokens, device=device) * k, output_size=total * k)
+                    if len(steps) > 1 else None)
+    for (layer, role), items in routed_items.items():
         flat = routed[:, layer_pos[layer], :].reshape(-1).long()
-        sorted_experts, order = torch.sort(flat, stable=True)   # the dispatcher's order of (token, slot)
-        rows = _rows_of(items, layer, role, fmt, keep_codes, flat.device)
+        keys = flat if step_of_slot is None else step_of_slot * STEP_KEY + flat
+        sorted_keys, order = torch.sort(keys, stable=True)    # the dispatcher's order of (token, slot), per step
+        rows = _rows_of(items, layer, role, fmt, keep_codes, device)
         n = rows["bits"].shape[0]
-        if n != num_tokens * k:
-            raise RuntimeError(f"layer {layer} {role}: {n} captured rows for {num_tokens} tokens x top-{k}; the "
+        if n != total * k:
+            raise RuntimeError(f"layer {layer} {role}: {n} captured rows for {total} tokens x top-{k}; the "
                                "token dispatcher dropped or duplicated tokens")
-        bad = (rows.pop("experts") != sorted_experts).any()
+        bad = (rows.pop("keys") != sorted_keys).any()
         what = f"TRACE capture of layer {layer} {role}: captured rows do not follow the routed experts"
         if errors is None:
             if bool(bad):
@@ -148,42 +186,47 @@ def scatter_records(records: list, routed: Optional[torch.Tensor], num_tokens: i
             raw = _bytes_view(t)
             dest = torch.empty((n, *t.shape[1:]), dtype=raw.dtype, device=t.device)
             dest.index_copy_(0, order, raw)
-            cap[name] = dest.view(t.dtype).view(num_tokens, k, *t.shape[1:])
+            cap[name] = dest.view(t.dtype).view(total, k, *t.shape[1:])
         out.setdefault(layer, {})[role] = ActivationCapture(fmt, cap["bits"], cap["scales"], cap.get("global_scale"),
                                                             cap.get("codes"))
     return out
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([_bytes_view(p) for p in parts]).view(parts[0].dtype)
+
+
 def _rows_of(items: list, layer: int, role: str, fmt: str, keep_codes: bool, device) -> dict[str, torch.Tensor]:
-    """The rows of one layer and role in dispatch order: bits, scales, global_scale, codes, experts (per row)."""
+    """The rows of one layer and role in (step, dispatch) order: bits, scales, global_scale, codes, and each
+    row's (step, expert) sort key. items: (step, expert or None for a grouped record, record)."""
     def flat2(t):
         return t.reshape(-1, t.shape[-1])
 
-    if items[0][0] is None:
-        if len(items) != 1:
-            raise RuntimeError(f"layer {layer} {role} was captured twice in one forward")
-        rec = items[0][1]
-        rows = {"bits": flat2(rec.bits), "scales": flat2(rec.scales), "experts": rec.expert_ids.long()}
-        if fmt == "nvfp4":
-            rows["global_scale"] = rec.global_scale.float().reshape(-1)
-        if keep_codes:
-            rows["codes"] = flat2(rec.packed)
-        return rows
-    items = sorted(items, key=lambda it: it[0])
-    experts = [e for e, _ in items]
-    if len(set(experts)) != len(experts):
-        raise RuntimeError(f"layer {layer} {role}: an expert was captured twice in one forward")
-    counts = [flat2(r.bits).shape[0] for _, r in items]
-    rows = {"bits": torch.cat([flat2(r.bits) for _, r in items]),
-            "scales": torch.cat([_bytes_view(flat2(r.scales)) for _, r in items]).view(items[0][1].scales.dtype),
-            # built on the device from host lists (no CPU tensor ops, no synchronisation)
-            "experts": torch.repeat_interleave(torch.tensor(experts, device=device), torch.tensor(counts, device=device),
-                                               output_size=sum(counts))}
+    items = sorted(items, key=lambda it: (it[0], -1 if it[1] is None else it[1]))
+    counts = [flat2(r.bits).shape[0] for _, _, r in items]
+    rows = {"bits": _cat([flat2(r.bits) for _, _, r in items]),
+            "scales": _cat([flat2(r.scales) for _, _, r in items])}
     if fmt == "nvfp4":
-        rows["global_scale"] = torch.cat([r.global_scale.float().reshape(1).expand(c)
-                                          for (_, r), c in zip(items, counts)])
+        rows["global_scale"] = torch.cat([r.global_scale.float().reshape(-1) if e is None
+                                          else r.global_scale.float().reshape(1).expand(c)
+                                          for (_, e, r), c in zip(items, counts)])
     if keep_codes:
-        rows["codes"] = torch.cat([flat2(r.packed) for _, r in items])
+        rows["codes"] = _cat([flat2(r.packed) for _, _, r in items])
+    # per-expert records: keys from host lists, built on the device in one op (no synchronisation)
+    host_keys = [(s * STEP_KEY + e, c) for (s, e, _), c in zip(items, counts) if e is not None]
+    parts = []
+    if host_keys:
+        kt = torch.tensor([key for key, _ in host_keys], device=device)
+        parts.append(torch.repeat_interleave(kt, torch.tensor([c for _, c in host_keys], device=device),
+                                             output_size=sum(c for _, c in host_keys)))
+    grouped = [(s, r) for s, e, r in items if e is None]
+    if grouped and host_keys:
+        raise RuntimeError(f"layer {layer} {role} holds both grouped and per-expert capture records")
+    if grouped:
+        parts = [r.expert_ids.long() + s * STEP_KEY for s, r in grouped]
+    rows["keys"] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return rows
 
 
@@ -203,69 +246,65 @@ def check_capture_errors(errors: list) -> None:
 
 
 class RolloutRecords:
-    """Per-step R3 ids and TRACE captures of one generate() call, kept on the device until the end.
+    """Per-step R3 ids and TRACE capture records of one generate() call, kept on the device until the end.
 
-    `add_step` stores a step's tensors and where each sequence's rows are; `finish` concatenates every
-    step once per tensor, orders the rows by sequence (one gather on the device), copies each tensor to
-    the host once and splits it into per-sequence views: no per-step copies, no per-sequence slicing.
+    `add_step` only keeps references (no device work per engine step); `finish` scatters every step's
+    capture records at once (`scatter_steps`), orders the rows by sequence (one gather on the device),
+    copies each tensor to the host once and splits it into per-sequence views.
     """
 
-    def __init__(self):
+    def __init__(self, moe_layers: list[int], fmt: str, keep_codes: bool = False):
+        self.moe_layers, self.fmt, self.keep_codes = moe_layers, fmt, keep_codes
         self.routed: list[torch.Tensor] = []
-        self.trace: list[dict] = []
+        self.captured: list[tuple[list, int]] = []
         self.spans: dict[int, list[tuple[int, int]]] = {}
         self.offset = 0
-        self.errors: list = []
 
-    def add_step(self, routed: Optional[torch.Tensor], trace: dict, spans: list[tuple[int, int, int]],
+    def add_step(self, routed: Optional[torch.Tensor], captured: list, spans: list[tuple[int, int, int]],
                  num_tokens: int) -> None:
         if routed is not None:
             self.routed.append(routed)
-        if trace:
-            self.trace.append(trace)
+        self.captured.append((captured, num_tokens))
         for key, lo, hi in spans:
             self.spans.setdefault(key, []).append((self.offset + lo, hi - lo))
         self.offset += num_tokens
 
     def finish(self, keys: list[int]) -> tuple[dict, dict]:
         """(routed per key: host [n, L, k] or None, trace per key: {layer: {role: host ActivationCapture}})."""
-        check_capture_errors(self.errors)
+        routed_all = _cat(self.routed) if self.routed else None
+        trace_all = {}
+        if any(records for records, _ in self.captured):
+            errors: list = []
+            trace_all = scatter_steps(self.captured, routed_all, self.moe_layers, self.fmt, self.keep_codes, errors)
+            check_capture_errors(errors)
         sizes = [sum(n for _, n in self.spans.get(key, [])) for key in keys]
         index = [torch.arange(s, s + n) for key in keys for s, n in self.spans.get(key, [])]
         perm = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
         contiguous = bool(perm.numel() == self.offset and torch.equal(perm, torch.arange(self.offset)))
 
-        def gather(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-            dtype = parts[0].dtype
-            raw = [_bytes_view(p) for p in parts]
-            full = torch.cat(raw, dim=0) if len(raw) > 1 else raw[0]
+        def split(full: torch.Tensor) -> list[torch.Tensor]:
+            dtype, raw = full.dtype, _bytes_view(full)
             if not contiguous:
-                full = full.index_select(0, perm.to(full.device))
+                raw = raw.index_select(0, perm.to(raw.device))
             # own storage per sequence: a view would make torch.save of one sample carry all of them
-            return [t.clone().view(dtype) for t in torch.split(full.cpu(), sizes)]
+            return [t.clone().view(dtype) for t in torch.split(raw.cpu(), sizes)]
 
-        routed = dict(zip(keys, gather(self.routed))) if self.routed else {key: None for key in keys}
+        routed = dict(zip(keys, split(routed_all))) if routed_all is not None else {key: None for key in keys}
         trace: dict = {key: {} for key in keys}
-        if self.trace:
-            for layer, roles in self.trace[0].items():
-                for role, first in roles.items():
-                    caps = [step[layer][role] for step in self.trace]
-                    parts = {}
-                    for attr in ("bits", "scales", "global_scale", "codes"):
-                        if getattr(first, attr) is not None:
-                            parts[attr] = gather([getattr(c, attr) for c in caps])
-                    for i, key in enumerate(keys):
-                        trace[key].setdefault(layer, {})[role] = ActivationCapture(
-                            first.format, parts["bits"][i], parts["scales"][i],
-                            parts["global_scale"][i] if "global_scale" in parts else None,
-                            parts["codes"][i] if "codes" in parts else None)
+        for layer, roles in trace_all.items():
+            for role, cap in roles.items():
+                parts = {attr: split(getattr(cap, attr)) for attr in ("bits", "scales", "global_scale", "codes")
+                         if getattr(cap, attr) is not None}
+                for i, key in enumerate(keys):
+                    trace[key].setdefault(layer, {})[role] = ActivationCapture(
+                        cap.format, parts["bits"][i], parts["scales"][i],
+                        parts["global_scale"][i] if "global_scale" in parts else None,
+                        parts["codes"][i] if "codes" in parts else None)
         return routed, trace
 
 
-def _put_dense(out: dict, rec, layer: int, role: str, num_tokens: int, fmt: str, keep_codes: bool) -> None:
+def _dense_rows(rec, num_tokens: int, keep_codes: bool) -> dict[str, torch.Tensor]:
     """A dense site's record already has one row per packed token ([T, 1, K/8] in Megatron's layout)."""
-    if role in out.get(layer, {}):
-        raise RuntimeError(f"site {rec.site} was captured twice in one forward")
     if rec.bits.numel() // rec.bits.shape[-1] != num_tokens:
         raise RuntimeError(f"site {rec.site}: {rec.bits.numel() // rec.bits.shape[-1]} captured rows for "
                            f"{num_tokens} tokens")
@@ -273,24 +312,12 @@ def _put_dense(out: dict, rec, layer: int, role: str, num_tokens: int, fmt: str,
     def rows(t):
         return t.reshape(num_tokens, t.shape[-1])
 
-    gs = None if rec.global_scale is None else rec.global_scale.float().reshape(()).expand(num_tokens).clone()
-    out.setdefault(layer, {})[role] = ActivationCapture(fmt, rows(rec.bits), rows(rec.scales), gs,
-                                                        rows(rec.packed) if keep_codes else None)
-
-
-def _empty_capture(rec, rows: tuple[int, ...], fmt: str, keep_codes: bool) -> ActivationCapture:
-    dev = rec.bits.device
-    bits = torch.zeros(*rows, rec.bits.shape[-1], dtype=torch.uint8, device=dev)
-    scales = torch.zeros(*rows, rec.scales.shape[-1], dtype=rec.scales.dtype, device=dev)
-    gs = torch.zeros(*rows, dtype=torch.float32, device=dev) if fmt == "nvfp4" else None
-    codes = torch.zeros(*rows, rec.packed.shape[-1], dtype=torch.uint8, device=dev) if keep_codes else None
-    return ActivationCapture(fmt, bits, scales, gs, codes)
-
-
-def slice_rows(cap: ActivationCapture, start: int, stop: int) -> ActivationCapture:
-    return ActivationCapture(cap.format, cap.bits[start:stop], cap.scales[start:stop],
-                             None if cap.global_scale is None else cap.global_scale[start:stop],
-                             None if cap.codes is None else cap.codes[start:stop])
+    out = {"bits": rows(rec.bits), "scales": rows(rec.scales)}
+    if rec.global_scale is not None:
+        out["global_scale"] = rec.global_scale.float().reshape(()).expand(num_tokens).contiguous()
+    if keep_codes:
+        out["codes"] = rows(rec.packed)
+    return out
 
 
 def concat_rows(chunks: list[ActivationCapture]) -> ActivationCapture:

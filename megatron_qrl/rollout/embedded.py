@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 import torch
 
 from .attention import StepBatch
-from .capture import RolloutRecords, RoutingRecorder, concat_rows, recording_trace, scatter_records, traced_sites
+from .capture import RolloutRecords, RoutingRecorder, concat_rows, recording_trace, traced_sites
 from .kernel_linears import KernelLinears, kernels_wanted
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
@@ -164,7 +164,8 @@ class EmbeddedEngine:
         scheduler = ContinuousBatchScheduler(self.cache, self.max_batch_size, self.max_tokens_per_step)
         for s in seqs:
             scheduler.submit(s)
-        records = RolloutRecords()          # per-step R3 ids / TRACE captures stay on the device until the end
+        # per-step R3 ids / TRACE capture records stay on the device, untouched, until the end of the call
+        records = RolloutRecords(self.routing.layers, self.format, self.keep_codes)
         while scheduler.has_work():
             self._step(scheduler.plan(), records)
             scheduler.retire_finished()
@@ -234,11 +235,9 @@ class EmbeddedEngine:
         with recording_trace(self.model, self.trace_sites) as captured:
             logits = self.runner.forward(batch).cpu()
         routed = self.routing.collect(batch.num_tokens)
-        trace = (scatter_records(captured, routed, batch.num_tokens, self.routing.layers, self.format,
-                                 self.keep_codes, errors=records.errors) if captured else {})
         spans = [(seq.index, batch.row_starts[b], batch.row_starts[b] + batch.row_lens[b])
                  for b, seq in enumerate(plan.sequences)]
-        records.add_step(routed, trace, spans, batch.num_tokens)
+        records.add_step(routed, captured, spans, batch.num_tokens)
         self.stats["steps"] += 1
         self.stats["forwarded_tokens"] += batch.num_tokens
         for b, (seq, feed) in enumerate(zip(plan.sequences, plan.feeds)):

@@ -101,12 +101,10 @@ class GroupedExperts:
             amax.scatter_reduce_(0, row_expert, amax_rows, reduce="amax", include_self=True)
             gs_e = _global_scales(amax)
             gs_rows = gs_e[row_expert].unsqueeze(-1).contiguous()
-            if capture:
-                from megatron_qrl.kernels.fp4_quant import nvfp4_quantize_triton
-                from megatron_qrl.quant import nvfp4_dequantize
+            if capture:   # the same values as below plus the TRACE record, from the same single launch
+                from megatron_qrl.kernels.fp4_fake_quant import fp4_fake_quant_capture_triton
 
-                packed, scales, _, bits = nvfp4_quantize_triton(x, gs_rows, capture=True, check_finite=False)
-                deq = nvfp4_dequantize(packed, scales, gs_rows, dtype=x.dtype)
+                deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "nvfp4", gs_rows)
                 site.capture_sink.append(GroupedCaptureRecord(self.layer, role, row_expert, packed, scales,
                                                               gs_rows.reshape(-1), bits))
                 return deq
@@ -114,12 +112,11 @@ class GroupedExperts:
 
             return nvfp4_fake_quant_triton(x, global_scale=gs_rows, check_finite=False)
         if capture:
-            from megatron_qrl.kernels.fp4_quant import mxfp4_quantize_triton
-            from megatron_qrl.quant import mxfp4_dequantize
+            from megatron_qrl.kernels.fp4_fake_quant import fp4_fake_quant_capture_triton
 
-            packed, scales, bits = mxfp4_quantize_triton(x, capture=True, check_finite=False)
+            deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "mxfp4")
             site.capture_sink.append(GroupedCaptureRecord(self.layer, role, row_expert, packed, scales, None, bits))
-            return mxfp4_dequantize(packed, scales, dtype=x.dtype)
+            return deq
         from megatron_qrl.kernels.fp4_fake_quant import mxfp4_fake_quant_triton
 
         return mxfp4_fake_quant_triton(x, check_finite=False)
