@@ -9,8 +9,9 @@
 ColocatedRollouts: every rank holds an engine and generates its data-parallel share (single node, CPU).
 RemoteRollouts + serve_rollouts: rollout.placement=disaggregated. Trainer ranks 0..T-1 never hold an
 engine; engine ranks T..N-1 run `serve_rollouts`, a loop that mirrors the trainer's step by step over the
-default group: (1) weights: trainer rank 0 broadcasts the codec's bytes and digests to the engines (group
-{0} + engines), engines install them (digest-checked) and report the audit; (2) each engine generates its
+default group: (1) weights: trainer rank 0 broadcasts the digests and a manifest, then the codec's bytes
+as flat buckets (pipeline/weight_transport.py) to the engines (group {0} + engines), engines install them
+(digest-checked) and report the audit; (2) each engine generates its
 contiguous share of the prompt groups (same seeds and sample indices as one engine would use), and on
 evaluation steps engine 0 also scores the held-out set with the same weights; (3) samples and rollouts
 (without TRACE captures) go to every rank; (4) each engine seals the TRACE cache of its samples and
@@ -36,6 +37,7 @@ from megatron_qrl.trace.transport import comm_device
 
 from .evaluate import evaluate
 from .weight_sync import aqn_seed, holds_digests, set_trainer_aqn, step_aqn_sigma, sync_weights, trainer_payload
+from .weight_transport import manifest, receive_weights, send_weights
 
 # ----------------------------------------------------------------------------------------- helpers
 
@@ -148,13 +150,22 @@ class RemoteRollouts:
         weights, hashes = trainer_payload(s.trainer, s.cfg)        # gathers a sharded trainer's weights
         if dist.get_rank() != 0:
             return {"aqn/sigma": sigma}
+        t1 = time.perf_counter()
+        device = comm_device(self.group)
+        spec = manifest(weights)
         broadcast_object({"cmd": "generate", "step": step, "version": step, "eval": _is_eval_step(s.cfg, step),
-                          "weights": weights, "hashes": hashes}, src=0, group=self.group)
-        ok = torch.ones(1, device=comm_device(self.group))
+                          "weights": spec, "hashes": hashes}, src=0, group=self.group)
+        sent = send_weights(weights, spec, 0, self.group, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t2 = time.perf_counter()
+        ok = torch.ones(1, device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)   # the engines' digest audits
-        return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": float(ok.item()),
-                "sync/tensors": float(len(hashes)),
-                "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())), "aqn/sigma": sigma}
+        t3 = time.perf_counter()
+        return {"sync/s": t3 - t0, "sync/pack_s": t1 - t0, "sync/send_s": t2 - t1, "sync/install_s": t3 - t2,
+                "sync/hash_ok": float(ok.item()), "sync/tensors": float(len(hashes)),
+                "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())),
+                "sync/wire_bytes": float(sent), "aqn/sigma": sigma}
 
     def generate(self, prompts: list, step: int):
         parts = gather_from_engines(None, self.place)
@@ -222,6 +233,7 @@ def serve_rollouts(s, place) -> None:
             save_checkpoint(s, msg["step"])
             continue
         step = msg["step"]
+        msg["weights"] = receive_weights(msg["weights"], 0, group, comm_device(group))
         ok = _install(s.engine, msg, cfg)
         dist.all_reduce(torch.tensor([ok], device=comm_device(group)), op=dist.ReduceOp.MIN, group=group)
         prompts = next(s.prompts)

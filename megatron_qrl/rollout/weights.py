@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from megatron_qrl.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize
+from megatron_qrl.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
 
 from .protocol import WeightUpdateError
 
@@ -118,17 +118,38 @@ def payload_digest(x: Payload, algorithm: str = DEFAULT_DIGEST) -> str:
     raise TypeError(f"weight payload must be a torch.Tensor or FP4Tensor, got {type(x).__name__}")
 
 
+def _triton_codec(w: torch.Tensor) -> bool:
+    """CUDA weights go to the Triton codec (byte-identical to the torch reference, tests/test_kernels_codec.py)."""
+    if not w.is_cuda:
+        return False
+    from megatron_qrl.kernels import use_triton
+
+    return use_triton(w)
+
+
 def pack_weight(w: torch.Tensor, fmt: str) -> FP4Tensor:
     """Quantize a full (unsharded) weight with the project codec, nearest rounding -- the trainer side.
 
     The NVFP4 global scale is amax(|w|) / (6*448) over the whole tensor, which is what the QAT linears use
     (their amax is all-reduced over tensor-parallel shards), so the engine runs the trainer's FP4 weights.
     """
+    w = w.detach()
+    fast = _triton_codec(w)
     if fmt == "nvfp4":
-        packed, scales, gs = nvfp4_quantize(w.detach())
+        if fast:   # the same bytes from one Triton launch instead of ~75 torch kernels per weight
+            from megatron_qrl.kernels.fp4_quant import nvfp4_quantize_triton
+
+            packed, scales, gs = nvfp4_quantize_triton(w, nvfp4_global_scale(w))
+        else:
+            packed, scales, gs = nvfp4_quantize(w)
         return FP4Tensor("nvfp4", packed, scales, gs)
     if fmt == "mxfp4":
-        packed, scales = mxfp4_quantize(w.detach())
+        if fast:
+            from megatron_qrl.kernels.fp4_quant import mxfp4_quantize_triton
+
+            packed, scales = mxfp4_quantize_triton(w)
+        else:
+            packed, scales = mxfp4_quantize(w)
         return FP4Tensor("mxfp4", packed, scales, None)
     raise ValueError(f"cannot pack a weight as '{fmt}'; use one of {FP4_FORMATS}")
 
