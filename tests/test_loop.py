@@ -179,6 +179,33 @@ def test_sharded_trainer_with_an_engine_rank_matches_one_process(from_checkpoint
         assert m["mismatch/logp_abs_diff"] == pytest.approx(r["mismatch/logp_abs_diff"], rel=0.05, abs=1e-7)
 
 
+@pytest.fixture(scope="module")
+def from_checkpoint_all_layers(traced_run, tmp_path_factory):
+    """As from_checkpoint, with every layer's expert inputs cached (trace.num_cached_layers=4)."""
+    init = ["run.sft_steps=0", f"run.init_checkpoint={traced_run[0] / 'checkpoints' / 'step_000001'}",
+            "trace.num_cached_layers=4"]
+    return init, _train(tmp_path_factory.mktemp("from_ckpt_all"), steps=2, extra=DISAGG + init)
+
+
+def test_expert_parallel_trainer_replays_trace_like_one_process(from_checkpoint_all_layers, tmp_path):
+    """EP=2 trainer (ranks 0-1, so DP=2 for the dense part) with the engine on rank 2, every layer cached.
+    Each local expert sees the tokens of both EP ranks (Megatron's alltoall dispatcher); the guides follow
+    them (trace/lookup.py ExpertSources) and the cache brings each rank its experts' rows for both ranks'
+    samples. With every expert input guided, W4A4 QAT rounds exactly as the rollout did, whichever tokens
+    share a tensor, so the trainer matches one process (without the EP guides the log-prob gap is ~1e-2)."""
+    init, ref = from_checkpoint_all_layers
+    got = _train(tmp_path / "ep2", steps=2, nproc=3,
+                 extra=DISAGG + init + ["rollout.placement=disaggregated", "trainer.expert_parallel=2"])
+    for r, m in zip(ref, got):
+        for k in EXACT:
+            assert m[k] == r[k], k
+        assert m["trace/code_mismatch_before"] > 0 and m["trace/code_mismatch_after"] == 0
+        assert r["trace/code_mismatch_after"] == 0
+        assert m["train/loss"] == pytest.approx(r["train/loss"], rel=1e-5, abs=1e-7)
+        assert m["mismatch/logp_abs_diff"] == pytest.approx(r["mismatch/logp_abs_diff"], rel=0.05, abs=1e-6)
+        assert m["mismatch/logp_abs_diff"] < 1e-4
+
+
 def test_sharded_trainer_needs_disaggregated_engines(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.train", "--config",

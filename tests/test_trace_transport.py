@@ -40,6 +40,20 @@ def test_data_parallel_split_matches_the_trainer():
     assert [list(dp_samples(6, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4, 5]]
 
 
+def test_expert_sources_follow_the_padded_micro_batches():
+    """B=10, DP=2, micro-batch 4: rank 1's second micro-batch is all padding, yet its experts still see the
+    tokens of rank 0's second micro-batch (samples 4-7), which run at the same time."""
+    from megatron_qrl.trace import ExpertSources, rows_per_dp_rank
+
+    assert rows_per_dp_rank(10, 2, 4) == 8
+    src = ExpertSources(num_samples=10, rows_per_rank=8, dp_rank=1, group_dp_ranks=(0, 1))
+    own = torch.arange(12, 16)                                   # rank 1, micro-batch 1: padded rows 12-15
+    assert [t.tolist() for t in src.sample_ids(own)] == [[4, 5, 6, 7], [-1, -1, -1, -1]]
+    assert [t.tolist() for t in src.sample_ids(torch.arange(8, 12))] == [[0, 1, 2, 3], [8, 9, -1, -1]]
+    rank0 = ExpertSources(num_samples=10, rows_per_rank=8, dp_rank=0, group_dp_ranks=(0, 1))
+    assert [t.tolist() for t in rank0.sample_ids(torch.arange(4, 8))] == [[4, 5, 6, 7], [-1, -1, -1, -1]]
+
+
 def test_megatron_expert_group_order():
     # TP=1: the EP group is ep consecutive DP ranks
     assert megatron_ep_group(dp_rank=3, tp_rank=0, tp_size=1, ep_size=2) == (1, [2, 3])

@@ -88,14 +88,17 @@ def engine_share(num_prompts: int, engine_index: int, num_engines: int) -> tuple
 
 def trace_specs(cfg, place, num_samples: int) -> dict:
     """rank -> ShardSpec: each trainer rank receives the samples its data-parallel split trains (full
-    hidden width: under tensor parallelism the trainer's MicroBatchGuides slices row-parallel sites)."""
+    hidden width: under tensor parallelism the trainer's MicroBatchGuides slices row-parallel sites) and,
+    under expert parallelism, its own experts' rows for every sample of its EP group."""
     from megatron_qrl.trace import ShardSpec
 
     t = cfg.trainer
     dp = place.num_trainers // (t.tensor_parallel * t.pipeline_parallel)
     # Megatron's rank order tp-cp-ep-dp-pp (cp = 1): rank = tp_rank + tp * (dp_rank + dp * pp_rank)
     return {r: ShardSpec.for_rank(num_samples, dp_rank=(r // t.tensor_parallel) % dp, dp_size=dp,
-                                  micro_batch_size=t.micro_batch_size)
+                                  micro_batch_size=t.micro_batch_size, tp_rank=r % t.tensor_parallel,
+                                  tp_size=t.tensor_parallel, num_experts=cfg.model.num_experts,
+                                  ep_size=t.expert_parallel, etp_size=t.expert_tensor_parallel)
             for r in range(place.num_trainers)}
 
 

@@ -20,8 +20,8 @@ class _MeasuringGuides:
         self.inner, self.metrics, self.fallback_shift = inner, metrics, fallback_shift
         self.measuring = True
 
-    def __call__(self, sample_ids):
-        provider = self.inner(sample_ids)
+    def __call__(self, sample_ids, batch_rows=None):
+        provider = self.inner(sample_ids, batch_rows)
 
         def guided(site, x):
             guide = provider(site, x)
@@ -30,6 +30,22 @@ class _MeasuringGuides:
             return guide
 
         return guided
+
+
+def expert_sources(cfg, num_samples: int):
+    """This trainer rank's ExpertSources under expert parallelism (None without it)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_qrl.trace import ExpertSources, megatron_ep_group, rows_per_dp_rank
+
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return None
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    _, group = megatron_ep_group(dp_rank, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                                 ep, ps.get_expert_tensor_parallel_world_size())
+    return ExpertSources(num_samples, rows_per_dp_rank(num_samples, dp, cfg.trainer.micro_batch_size), dp_rank,
+                         tuple(group))
 
 
 class TraceBridge:
@@ -82,7 +98,8 @@ class TraceBridge:
         if sp and tp > 1:   # the trainer pads T to a multiple of TP under sequence parallelism (trainer/batch.py)
             seq_len = -(-seq_len // tp) * tp
         inner = MicroBatchGuides(cache, seq_len, batch.r3_expert_ids, tp_rank=ps.get_tensor_model_parallel_rank(),
-                                 tp_size=tp, sequence_parallel=sp, metrics=self._metrics)
+                                 tp_size=tp, sequence_parallel=sp, metrics=self._metrics,
+                                 expert_sources=expert_sources(self.cfg, batch.tokens.shape[0]))
         self._guides = _MeasuringGuides(inner, self._metrics, self.cfg.trace.fallback_shift)
         return self._guides, out
 

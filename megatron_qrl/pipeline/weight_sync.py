@@ -37,10 +37,10 @@ def check_rl_layout(cfg) -> None:
             f"{t.pipeline_parallel}, expert_parallel={t.expert_parallel}): use rollout.placement=disaggregated "
             "(engines on ranks of their own; weights are gathered to full tensors at each sync) or data "
             "parallelism only")
-    if sharded and t.expert_parallel > 1 and cfg.trace.enabled:
-        raise ValueError("TRACE replay under trainer.expert_parallel>1 is not implemented in the loop (a routed "
-                         "expert's rows come from several dispatch sources; trace/lookup.py): set trace.enabled=false "
-                         "or trainer.expert_parallel=1")
+    if t.expert_parallel > 1 and t.tensor_parallel > 1 and cfg.trace.enabled:
+        raise ValueError("TRACE replay under trainer.expert_parallel>1 together with tensor_parallel>1 is not "
+                         "implemented (each dispatch source holds a sequence shard; trace/lookup.py ExpertSources): "
+                         "set trace.enabled=false or trainer.tensor_parallel=1")
 
 
 def aqn_seed(run_seed: int, step: int) -> int:

@@ -11,19 +11,19 @@ from .cache import BITS_PER_ELEMENT, BLOCK, EntryCut, EntryKey, TraceCache, Trac
 from .errors import (CorruptCacheError, MisshapenCacheError, StaleCacheError, TraceBudgetError, TraceCacheError,
                      TraceError, TraceLookupError)
 from .integrity import accept, config_fingerprint, expected_site_widths, validate
-from .lookup import GuideProvider, MicroBatchGuides, TraceGuide, lookup, routed_rows, sequence_major_rows
+from .lookup import ExpertSources, GuideProvider, MicroBatchGuides, TraceGuide, lookup, routed_rows, sequence_major_rows
 from .metrics import TraceMetrics, mismatch_counts
 from .replay import guided_codes, guided_fake_quant, guided_quant_dequant
 from .store import TracePlan, TraceStore, plan
 from .transport import (ROW_PARALLEL_SITES, ShardSpec, dp_samples, exchange, gather_specs, local_shard,
-                        megatron_ep_group, recv_cache, select, send_cache)
+                        megatron_ep_group, recv_cache, rows_per_dp_rank, select, send_cache)
 
 __all__ = [
-    "BITS_PER_ELEMENT", "BLOCK", "CorruptCacheError", "EntryCut", "EntryKey", "GuideProvider", "MicroBatchGuides",
-    "MisshapenCacheError", "ROW_PARALLEL_SITES", "ShardSpec", "StaleCacheError", "TraceBudgetError", "TraceCache",
-    "TraceCacheBuilder", "TraceCacheError", "TraceEntry", "TraceError", "TraceGuide", "TraceLookupError",
-    "TraceMetrics", "TracePlan", "TraceStore", "accept", "config_fingerprint", "dp_samples", "exchange",
-    "expected_site_widths", "gather_specs", "guided_codes", "guided_fake_quant", "guided_quant_dequant",
-    "local_shard", "lookup", "megatron_ep_group", "mismatch_counts", "plan", "recv_cache", "routed_rows", "select",
-    "send_cache", "sequence_major_rows", "validate",
+    "BITS_PER_ELEMENT", "BLOCK", "CorruptCacheError", "EntryCut", "EntryKey", "ExpertSources", "GuideProvider",
+    "MicroBatchGuides", "MisshapenCacheError", "ROW_PARALLEL_SITES", "ShardSpec", "StaleCacheError",
+    "TraceBudgetError", "TraceCache", "TraceCacheBuilder", "TraceCacheError", "TraceEntry", "TraceError",
+    "TraceGuide", "TraceLookupError", "TraceMetrics", "TracePlan", "TraceStore", "accept", "config_fingerprint",
+    "dp_samples", "exchange", "expected_site_widths", "gather_specs", "guided_codes", "guided_fake_quant",
+    "guided_quant_dequant", "local_shard", "lookup", "megatron_ep_group", "mismatch_counts", "plan", "recv_cache",
+    "routed_rows", "rows_per_dp_rank", "select", "send_cache", "sequence_major_rows", "validate"
 ]

@@ -193,29 +193,65 @@ class GuideProvider:
         return guide.to(x.device).reshape_rows(*x.shape[:-1]).complete_with_nearest(x)
 
 
+@dataclass(frozen=True)
+class ExpertSources:
+    """Where a local expert's tokens come from under expert parallelism (tensor parallel size 1).
+
+    Megatron's alltoall dispatcher hands each local expert the tokens routed to it from every rank of the
+    expert-parallel group, source by source in EP-rank order (ascending token order within a source).
+    Those ranks are data-parallel ranks running the same micro-batch index at the same time, so the
+    sample ids of every source follow from this rank's padded batch rows (trainer.batch.shard).
+    """
+
+    num_samples: int                       # B, before padding
+    rows_per_rank: int                     # padded rows per data-parallel rank
+    dp_rank: int
+    group_dp_ranks: tuple[int, ...]        # DP ranks of this rank's EP group, in EP-rank order
+
+    def sample_ids(self, batch_rows: torch.Tensor) -> list[torch.Tensor]:
+        """Per source, the sample ids (-1: padding) of the micro-batch it runs beside batch_rows."""
+        local = torch.as_tensor(batch_rows, dtype=torch.int64).reshape(-1).cpu() - self.dp_rank * self.rows_per_rank
+        out = []
+        for d in self.group_dp_ranks:
+            rows = local + d * self.rows_per_rank
+            out.append(torch.where(rows < self.num_samples, rows, torch.full_like(rows, -1)))
+        return out
+
+
 class MicroBatchGuides:
-    """The trainer's `trace_guides` hook (trainer.batch): sample_ids [mb] -> GuideProvider.
+    """The trainer's `trace_guides` hook (trainer.batch): (sample_ids, batch_rows) [mb] -> GuideProvider.
 
     Rows follow Megatron: activations [s, b, K] flattened seq-major; under sequence parallelism
     column-parallel inputs are this rank's sequence shard (row-parallel inputs hold the full sequence);
-    a routed expert sees the tokens of this rank's shard routed to it, ascending (one dispatch source:
-    expert parallelism across data-parallel ranks needs the source-rank concatenation, not done here).
+    a routed expert sees the tokens of this rank's shard routed to it, ascending, and under expert
+    parallelism (`expert_sources`) those of every rank of its EP group, concatenated in EP-rank order.
     r3_expert_ids: the batch's long [B, T, num_layers, k] (R3 ids, global layer index); padding samples
     (id -1) reuse sample 0's ids, as trainer.batch pads them, and are never found in the cache.
     """
 
     def __init__(self, cache: TraceCache, seq_len: int, r3_expert_ids: Optional[torch.Tensor] = None,
-                 tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False, metrics=None):
+                 tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False, metrics=None,
+                 expert_sources: Optional[ExpertSources] = None):
+        if expert_sources is not None and tp_size > 1:
+            raise ValueError("TRACE under expert parallelism with tensor_parallel > 1 is not implemented "
+                             "(each source rank holds a sequence shard); use tensor_parallel=1")
         self.cache, self.seq_len, self.metrics = cache, int(seq_len), metrics
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel and tp_size > 1
+        self.expert_sources = expert_sources
         ids = r3_expert_ids
         if ids is not None and ids.shape[1] < self.seq_len:   # trainer pads T by repeating the last ids
             ids = torch.cat([ids, ids[:, -1:].expand(-1, self.seq_len - ids.shape[1], -1, -1)], dim=1)
         self.r3 = ids
 
-    def __call__(self, sample_ids: torch.Tensor) -> GuideProvider:
+    def __call__(self, sample_ids: torch.Tensor, batch_rows: Optional[torch.Tensor] = None) -> GuideProvider:
         sample_ids = torch.as_tensor(sample_ids, dtype=torch.int64).reshape(-1).cpu()
-        return GuideProvider(self.cache, lambda site, x: self.rows_for(sample_ids, site, x), self.metrics)
+        if self.expert_sources is not None:
+            if batch_rows is None:
+                raise ValueError("TRACE under expert parallelism needs the micro-batch's batch_rows")
+            sources = self.expert_sources.sample_ids(batch_rows)
+        else:
+            sources = [sample_ids]
+        return GuideProvider(self.cache, lambda site, x: self.rows_for(sample_ids, site, x, sources), self.metrics)
 
     def _shard(self, s_local: int) -> Optional[int]:
         if s_local == self.seq_len:
@@ -224,7 +260,7 @@ class MicroBatchGuides:
             return self.tp_rank * s_local
         return None
 
-    def rows_for(self, sample_ids: torch.Tensor, site, x: torch.Tensor):
+    def rows_for(self, sample_ids: torch.Tensor, site, x: torch.Tensor, sources: Optional[list] = None):
         b = sample_ids.numel()
         if site.expert is None:
             if x.dim() != 3 or x.shape[1] != b or self._shard(x.shape[0]) is None:
@@ -234,6 +270,13 @@ class MicroBatchGuides:
             return None
         s_local = self.seq_len // self.tp_size if self.sp else self.seq_len
         offset = self.tp_rank * s_local if self.sp else 0
-        ids = self.r3[sample_ids.clamp(min=0), offset:offset + s_local, site.layer]   # [b, s, k]
-        samples, positions = sequence_major_rows(sample_ids, s_local, offset)
-        return routed_rows(samples, positions, ids.transpose(0, 1).reshape(s_local * b, -1).cpu(), site.expert)
+        samples, positions = [], []
+        for src in (sources if sources is not None else [sample_ids]):
+            ids = self.r3[src.clamp(min=0), offset:offset + s_local, site.layer]   # [b, s, k]
+            rows = sequence_major_rows(src, s_local, offset)
+            s, p = routed_rows(*rows, ids.transpose(0, 1).reshape(s_local * src.numel(), -1).cpu(), site.expert)
+            samples.append(s)
+            positions.append(p)
+        if len(samples) == 1:
+            return samples[0], positions[0]
+        return torch.cat(samples), torch.cat(positions)

@@ -136,10 +136,15 @@ class ShardSpec:
                    tp_size=tp_size, etp_rank=etp_rank, etp_size=etp_size)
 
 
-def dp_samples(num_samples: int, dp_rank: int, dp_size: int, micro_batch_size: int = 1) -> range:
-    """The samples data-parallel rank dp_rank trains (trainer.batch.shard_batch's split)."""
+def rows_per_dp_rank(num_samples: int, dp_size: int, micro_batch_size: int = 1) -> int:
+    """Rows of the padded batch each data-parallel rank runs (trainer.batch.shard's padding)."""
     per_rank = -(-num_samples // dp_size)
-    per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
+    return -(-per_rank // micro_batch_size) * micro_batch_size
+
+
+def dp_samples(num_samples: int, dp_rank: int, dp_size: int, micro_batch_size: int = 1) -> range:
+    """The samples data-parallel rank dp_rank trains (trainer.batch.shard's split)."""
+    per_rank = rows_per_dp_rank(num_samples, dp_size, micro_batch_size)
     return range(min(num_samples, dp_rank * per_rank), min(num_samples, (dp_rank + 1) * per_rank))
 
 

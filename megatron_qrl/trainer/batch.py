@@ -7,14 +7,16 @@ A batch is a dict; every rank passes the same *global* batch (the RL loop has it
                                   0..T-1, so sequences start at position 0 (right padding only)
     r3_expert_ids  long  [B, T, L, k]  optional R3 replay: expert ids the rollout used for input token t
                                   at MoE layer l (global layer index), applied when cfg.r3.enabled
-    trace_guides   optional callable(sample_ids: long [mb]) -> provider or None, where
-                   provider(site: QuantSite, x: Tensor) -> GuidedRounding | None is the TRACE replay for
-                   one micro-batch (megatron_qrl.models.fp4_linear); sample_ids index the global batch
+    trace_guides   optional callable(sample_ids: long [mb], batch_rows: long [mb]) -> provider or None,
+                   where provider(site: QuantSite, x: Tensor) -> GuidedRounding | None is the TRACE
+                   replay for one micro-batch (megatron_qrl.models.fp4_linear); sample_ids index the
+                   global batch, batch_rows the padded one (under EP the hook derives the micro-batch
+                   the other ranks of its expert-parallel group run at the same time)
     any other tensor whose first dim is B (advantages [B], logp_old [B, T], ...) is sliced per
     micro-batch and handed to the loss function; other values pass through unchanged.
 
-The trainer adds per micro-batch: sample_ids [mb] (global indices), sample_mask [mb] (0 for padding
-samples), num_global_tokens (sum of loss_mask over the real global batch) and num_global_samples (B).
+The trainer adds per micro-batch: sample_ids [mb] (global indices, -1 for padding), batch_rows [mb] (rows
+of the padded batch), sample_mask [mb] (0 for padding samples), num_global_tokens (sum of loss_mask over the real global batch) and num_global_samples (B).
 
 Sharding: B is padded (with copies of sample 0, loss_mask 0, sample_mask 0) to a multiple of
 dp * micro_batch_size; data-parallel rank r takes the contiguous slice r of dp slices, then splits it
@@ -94,7 +96,7 @@ def shard(batch: dict, dp_rank: int, dp_size: int, micro_batch_size: int, seq_mu
 
     tensors: dict[str, torch.Tensor] = {
         "tokens": batch["tokens"].long(), "loss_mask": loss_mask,
-        "sample_mask": torch.ones(B), "sample_ids": torch.arange(B)}
+        "sample_mask": torch.ones(B), "sample_ids": torch.arange(B), "batch_rows": torch.arange(B)}
     if batch.get("r3_expert_ids") is not None:
         tensors["r3_expert_ids"] = batch["r3_expert_ids"].long()
     extras: dict[str, Any] = {}
@@ -110,6 +112,8 @@ def shard(batch: dict, dp_rank: int, dp_size: int, micro_batch_size: int, seq_mu
         if k == "sample_ids" and Bp > B:
             v = v.clone()
             v[B:] = -1
+        if k == "batch_rows":   # the padded batch's row index: which micro-batch this is, padding included
+            v = torch.arange(Bp)
         if Tp != T and v.dim() >= 2 and v.shape[1] == T:  # per-token tensors
             v = _pad_seq(v, Tp - T, repeat_last=k == "r3_expert_ids")
         tensors[k] = v
@@ -119,7 +123,7 @@ def shard(batch: dict, dp_rank: int, dp_size: int, micro_batch_size: int, seq_mu
     for start in range(lo, lo + per_rank, micro_batch_size):
         mb = {k: v[start:start + micro_batch_size] for k, v in tensors.items()}
         if device is not None:
-            mb = {k: (v.to(device) if k != "sample_ids" else v) for k, v in mb.items()}
+            mb = {k: (v.to(device) if k not in ("sample_ids", "batch_rows") else v) for k, v in mb.items()}
         mb.update(extras)
         mb["position_ids"] = torch.arange(Tp, device=mb["tokens"].device).expand(mb["tokens"].shape[0], Tp)
         mb["num_global_tokens"] = num_global_tokens

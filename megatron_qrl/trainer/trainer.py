@@ -100,7 +100,7 @@ class Trainer:
                 router.set_replay(replay_ids_for_router(ids[:, :, router.layer_index], tp_rank, tp,
                                                         self.sequence_parallel))
         guides = mb.get("trace_guides")
-        set_guide_provider(self.model, guides(mb["sample_ids"]) if guides is not None else None)
+        set_guide_provider(self.model, guides(mb["sample_ids"], mb["batch_rows"]) if guides is not None else None)
 
     def _clear_hooks(self) -> None:
         clear_replay(self.model)
