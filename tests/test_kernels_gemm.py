@@ -27,8 +27,9 @@ from megatron_qrl.kernels.layouts import (decode_nvfp4_scales, dequantize_prepar
                                           prepare_nvfp4_weight, unpermute_nibbles)
 from megatron_qrl.kernels.moe_grouped_gemm import (MoEConfig, moe_align, moe_w4a16,  # noqa: E402
                                                    moe_w4a16_reference)
-from megatron_qrl.kernels.w4a16_gemm import (GemmConfig, heuristic_config, w4a16_gemm,  # noqa: E402
-                                             w4a16_gemm_reference)
+from megatron_qrl.kernels.w4a16_gemm import (GemmConfig, candidate_configs, dot_heuristic_config,  # noqa: E402
+                                             heuristic_config, w4a16_gemm, w4a16_gemm_reference)
+from megatron_qrl.kernels.w4a16_gemv import GemvConfig  # noqa: E402
 from megatron_qrl.quant import mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 
 DENSE_TOL = 1e-2
@@ -98,7 +99,7 @@ def test_dense_nvfp4_matches_reference(m, n, k):
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = w4a16_gemm_reference(x, w)
     for fp16 in (True, False):
-        cfg = heuristic_config("nvfp4", m, n, k)
+        cfg = dot_heuristic_config("nvfp4", m, n, k)
         cfg = GemmConfig(**{**cfg.__dict__, "fp16_dot": fp16, "block_k": min(cfg.block_k, k)})
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poison
         y = w4a16_gemm(x, w, out=out, config=cfg)
@@ -140,6 +141,62 @@ def test_dense_identity_reproduces_dequantized_weight():
     ref = wd.t().to(torch.bfloat16)
     assert torch.equal(ybf, ref)
     assert torch.allclose(y16.float(), ref.float(), rtol=2.0 ** -7, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Small-M CUDA-core GEMV (w4a16_gemv.py): interpreter = plain-integer decode path, GPU = inline PTX
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (1, 64, 256, GemvConfig(block_n=32, groups=4, split_k=2)),                       # fused split-K
+    (3, 96, 512, GemvConfig(block_n=32, groups=8, split_k=2, block_m=2, prefetch=True)),  # 2 M chunks
+    (5, 40, 128, GemvConfig(block_n=32, groups=1, split_k=3, block_m=4)),  # N % BN, an empty K split
+    (2, 48, 128, GemvConfig(block_n=16, groups=1, split_k=1, block_m=2)),  # no split: direct bf16 store
+], ids=lambda v: v.short() if isinstance(v, GemvConfig) else str(v))
+def test_gemv_matches_reference(m, n, k, cfg):
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poison
+    y = w4a16_gemm(x, w, out=out, config=cfg)
+    assert _rel(y, w4a16_gemm_reference(x, w)) < DENSE_TOL, (seed, cfg.short(), _rel(y, w4a16_gemm_reference(x, w)))
+    assert torch.equal(y, w4a16_gemm(x, w, config=cfg)), "GEMV split-K reduction must be deterministic"
+
+
+def test_gemv_is_the_default_for_small_m_and_exact_on_identity():
+    """Dispatch: NVFP4 at small M goes to the GEMV (GemvConfig) and larger M to the tensor-core kernel;
+    x = rows of I reproduce the dequantized weight (fp16 products of exact codes, one bf16 rounding)."""
+    assert isinstance(heuristic_config("nvfp4", 1, 14336, 4096), GemvConfig)
+    assert isinstance(heuristic_config("nvfp4", 128, 14336, 4096), GemmConfig)
+    assert isinstance(heuristic_config("mxfp4", 1, 14336, 4096), GemmConfig)
+    assert any(isinstance(c, GemvConfig) for c in candidate_configs("nvfp4", 4, 4096, 7168))
+    gen = torch.Generator().manual_seed(_seed())
+    k, n = 64, 32
+    w = _weight("nvfp4", n, k, gen, scale=0.3)
+    wd = dequantize_prepared(w, torch.float32)
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)[[0, 17, 40]]   # 3 rows: low and high elements
+    y = w4a16_gemm(eye, w, config=GemvConfig(block_n=32, groups=2, block_m=3))
+    ref = wd.t()[[0, 17, 40]].to(torch.bfloat16)
+    assert torch.allclose(y.float(), ref.float(), rtol=2.0 ** -7, atol=0)
+    y1 = w4a16_gemm(torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE), w)   # default path runs
+    assert y1.shape == (1, n) and torch.isfinite(y1).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bench shapes on the GPU only (inline PTX, real sizes)")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("k,n", [(4096, 14336), (7168, 4096)])
+def test_gemv_bench_shapes_gpu(k, n, m):
+    """Every GEMV variant the autotuner may pick, at the bench shapes and M = 1..16, fresh random inputs."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = w4a16_gemm_reference(x, w)
+    for cfg in [heuristic_config("nvfp4", m, n, k)] + [c for c in candidate_configs("nvfp4", m, n, k)
+                                                      if isinstance(c, GemvConfig)]:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        y = w4a16_gemm(x, w, out=out, config=cfg)
+        assert _rel(y, ref) < DENSE_TOL, (seed, m, cfg.short(), _rel(y, ref))
 
 
 @pytest.mark.parametrize("m", [1, 32])

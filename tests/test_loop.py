@@ -206,12 +206,37 @@ def test_expert_parallel_trainer_replays_trace_like_one_process(from_checkpoint_
         assert m["mismatch/logp_abs_diff"] < 1e-4
 
 
-def test_sharded_trainer_needs_disaggregated_engines(tmp_path):
+@pytest.fixture(scope="module")
+def w4a16_from_checkpoint(traced_run, tmp_path_factory):
+    """One process from the traced run's step-1 checkpoint with W4A16 rollouts and weight-only QAT: numbers
+    that neither the engine count (W4A4 engines scale activations per step) nor the tokens an expert's
+    tensor gathers under EP (W4A4 QAT scales per tensor) can change."""
+    init = ["run.sft_steps=0", f"run.init_checkpoint={traced_run[0] / 'checkpoints' / 'step_000001'}",
+            "quant.scheme=w4a16"]
+    return init, _train(tmp_path_factory.mktemp("w4a16_from_ckpt"), steps=2, extra=init)
+
+
+@pytest.mark.parametrize("layout", ["trainer.tensor_parallel=2", "trainer.expert_parallel=2"])
+def test_colocated_sharded_trainer_matches_one_process(w4a16_from_checkpoint, layout, tmp_path):
+    """Two ranks, each a trainer shard (TP=2, or EP=2 with DP=2) and an engine: every sync gathers the full
+    model on every rank, each engine runs it in a one-rank Megatron world of its own
+    (platform.engine_world) and generates a share of the prompts."""
+    init, ref = w4a16_from_checkpoint
+    got = _train(tmp_path / "colocated_sharded", steps=2, nproc=2, extra=init + [layout])
+    for r, m in zip(ref, got):
+        for k in EXACT:
+            assert m[k] == r[k], k
+        for k, tol in CLOSE.items():
+            if k in r:
+                assert m[k] == pytest.approx(r[k], abs=tol), k
+
+
+def test_colocated_sharded_trainer_refuses_lora(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.train", "--config",
-                        str(ROOT / "configs/tiny_cpu.yaml"), f"run.output_dir={tmp_path}", "trainer.tensor_parallel=2"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "use rollout.placement=disaggregated" in r.stderr
+                        str(ROOT / "configs/tiny_cpu.yaml"), f"run.output_dir={tmp_path}", "trainer.tensor_parallel=2",
+                        "lora.enabled=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "with a sharded colocated trainer" in r.stderr
 
 
 def test_disaggregated_nonfinite_stop_releases_the_engine_ranks(tmp_path):

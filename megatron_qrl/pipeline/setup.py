@@ -51,7 +51,6 @@ class RunSetup:
     def build(cls, cfg) -> "RunSetup":
         from megatron_qrl.platform import Placement, init_distributed
         from megatron_qrl.platform.distributed import init_process_group
-        from megatron_qrl.rollout.embedded import EmbeddedEngine
         from megatron_qrl.trainer import Trainer
 
         check_rl_layout(cfg)
@@ -72,7 +71,7 @@ class RunSetup:
 
             engine = build_sglang_run_engine(cfg, me)
         else:
-            engine = EmbeddedEngine(engine_config(cfg)) if place.is_engine(me) else None
+            engine = build_engine(cfg) if place.is_engine(me) else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
         s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
@@ -100,7 +99,7 @@ class RunSetup:
             old.release_memory()
         except Exception:  # noqa: BLE001 - a broken engine may not even release cleanly
             pass
-        self.engine = type(old)(engine_config(self.cfg))
+        self.engine = build_engine(self.cfg)
 
     def save_config(self) -> None:
         """The resolved config beside the checkpoints (rank 0, atomic)."""
@@ -150,6 +149,37 @@ class RunSetup:
         return _TRAIN_KEYS.get(name, name if "/" in name else f"train/{name}")
 
 
+class InEngineWorld:
+    """An engine whose every method call runs in its own Megatron world (platform.engine_world): the
+    colocated engine beside a sharded trainer builds and runs the whole model as a one-rank world."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        from megatron_qrl.platform import engine_world
+
+        attr = getattr(self._engine, name)
+        if not callable(attr):
+            return attr
+
+        def in_world(*args, **kwargs):
+            with engine_world():
+                return attr(*args, **kwargs)
+        return in_world
+
+
+def build_engine(cfg):
+    """The embedded engine of this rank (built in its Megatron world; see InEngineWorld)."""
+    from megatron_qrl.platform import engine_world
+    from megatron_qrl.platform.distributed import engine_world_active
+    from megatron_qrl.rollout.embedded import EmbeddedEngine
+
+    with engine_world():
+        engine = EmbeddedEngine(engine_config(cfg))
+    return InEngineWorld(engine) if engine_world_active() else engine
+
+
 def engine_config(cfg):
     """The engine builds the whole model: the same config with a 1x1x1 trainer layout (the model definition
     reads its pipeline split from the config)."""
@@ -166,15 +196,18 @@ def check_job(cfg, world_size: int) -> None:
 
 
 def generate_shard(s: RunSetup, prompts: list, step: int):
-    """Each data-parallel rank generates a contiguous share of the prompt groups; all ranks get all."""
+    """Colocated: each rank's engine generates a contiguous share of the prompt groups (the same shares,
+    seeds and sample indices as that many disaggregated engines); all ranks get all."""
+    from .rollout_service import engine_share
+
     G = s.cfg.rollout.group_size
-    per = -(-len(prompts) // s.dp_size)
-    mine = prompts[s.dp_rank * per:(s.dp_rank + 1) * per]
-    samples = [p for p in mine for _ in range(G)]
-    sampling = s.sampling(step, index_offset=s.dp_rank * per * G)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, stop = engine_share(len(prompts), rank, world)
+    samples = [p for p in prompts[first:stop] for _ in range(G)]
+    sampling = s.sampling(step, index_offset=first * G)
     rollouts = s.guard.generate(encode_prompts(s.tokenizer, samples), sampling, step)  # restarts a failed engine
-    if s.dp_size > 1:
-        parts: list = [None] * s.dp_size  # colocated, data parallel only (check_rl_layout): the DP group is WORLD
+    if world > 1:
+        parts: list = [None] * world
         dist.all_gather_object(parts, to_bytes((samples, rollouts)))
         parts = [from_bytes(p) for p in parts]
         samples = [x for p in parts for x in p[0]]

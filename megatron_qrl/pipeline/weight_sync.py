@@ -24,23 +24,27 @@ def unwrap(trainer_model: list) -> list[torch.nn.Module]:
 
 
 def check_rl_layout(cfg) -> None:
-    """Layouts the RL loop runs: any trainer layout with disaggregated engines; data parallel when colocated."""
+    """Layouts the RL loop runs: any trainer layout with embedded engines, colocated or disaggregated."""
     if cfg.lora.enabled and cfg.rollout.placement == "disaggregated":
         raise ValueError("lora.enabled with rollout.placement=disaggregated is not implemented (the adapters-only "
                          "sync runs in-process): use rollout.placement=colocated for QeRL mode")
     t = cfg.trainer
-    sharded = t.tensor_parallel * t.pipeline_parallel * t.expert_parallel != 1
-    if sharded and cfg.rollout.placement == "colocated":
+    sharded = t.tensor_parallel * t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel != 1
+    if sharded and cfg.rollout.placement == "colocated" and (cfg.lora.enabled or cfg.rollout.engine != "embedded"):
+        what = "lora.enabled" if cfg.lora.enabled else f"rollout.engine={cfg.rollout.engine}"
         raise ValueError(
-            "the embedded engine runs an unsharded model in a one-rank Megatron world, so it cannot share a rank "
-            f"with a sharded trainer (trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel="
-            f"{t.pipeline_parallel}, expert_parallel={t.expert_parallel}): use rollout.placement=disaggregated "
-            "(engines on ranks of their own; weights are gathered to full tensors at each sync) or data "
-            "parallelism only")
+            f"{what} with a sharded colocated trainer (trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel="
+            f"{t.pipeline_parallel}, expert_parallel={t.expert_parallel}) is not implemented: use data parallelism "
+            "only, or rollout.placement=disaggregated")
     if t.expert_parallel > 1 and t.tensor_parallel > 1 and cfg.trace.enabled:
         raise ValueError("TRACE replay under trainer.expert_parallel>1 together with tensor_parallel>1 is not "
                          "implemented (each dispatch source holds a sequence shard; trace/lookup.py ExpertSources): "
                          "set trace.enabled=false or trainer.tensor_parallel=1")
+
+
+def is_sharded(cfg) -> bool:
+    t = cfg.trainer
+    return t.tensor_parallel * t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel != 1
 
 
 def aqn_seed(run_seed: int, step: int) -> int:
@@ -93,24 +97,23 @@ def local_payload(trainer, cfg):
     return pack_state(named, cfg.rollout.weights, quantized.__contains__)
 
 
-def trainer_payload(trainer, cfg):
+def trainer_payload(trainer, cfg, everywhere: bool = False):
     """local_payload for an engine elsewhere, under the unsharded model's names. Collective over the trainer
-    ranks when the trainer is sharded (gather_weights); returns (None, None) on every trainer rank but 0,
-    the one that sends."""
+    ranks when the trainer is sharded (gather_weights). Returns (None, None) on every trainer rank but 0,
+    the one that sends, unless `everywhere` (colocated engines: every rank installs the full model)."""
     from megatron_qrl.platform import trainer_group
     from megatron_qrl.rollout.weights import pack_state
 
     from .gather_weights import full_named_parameters, global_names
 
-    t = cfg.trainer
-    if t.tensor_parallel * t.pipeline_parallel * t.expert_parallel == 1:
-        return local_payload(trainer, cfg) if dist.get_rank() == 0 else (None, None)
+    if not is_sharded(cfg):
+        return local_payload(trainer, cfg) if everywhere or dist.get_rank() == 0 else (None, None)
     chunks = unwrap(trainer.model)
     named = full_named_parameters(chunks)
     group = trainer_group()
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, sorted(global_names(chunks, quantized_weight_names(chunks, cfg))), group=group)
-    if dist.get_rank() != 0:
+    if not everywhere and dist.get_rank() != 0:
         return None, None
     quantized = {n for p in parts for n in p}
     return pack_state(named.items(), cfg.rollout.weights, quantized.__contains__)
@@ -127,7 +130,11 @@ def sync_weights(engine, trainer, cfg, step: int, version: int) -> dict:
 
         return sync_sglang(engine, trainer, cfg, step, version)
     t0 = time.perf_counter()
-    hashes = engine.sync_from_model(unwrap(trainer.model), version)
+    if is_sharded(cfg):   # a colocated engine beside a sharded trainer: every rank gathers the full model
+        weights, hashes = trainer_payload(trainer, cfg, everywhere=True)
+        engine.update_weights(weights, version, hashes)
+    else:
+        hashes = engine.sync_from_model(unwrap(trainer.model), version)
     hash_ok = holds_digests(getattr(getattr(engine, "store", None), "digests", None), hashes)
     sigma = set_trainer_aqn(trainer, cfg, step)
     engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))

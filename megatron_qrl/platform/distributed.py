@@ -108,10 +108,14 @@ def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] =
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     me = dist.get_rank()
+    global _ENGINE_WORLD
+    _ENGINE_WORLD = None
     if not place.disaggregated:
         ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                      expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
         _TRAINER_GROUP = None
+        if layout.tp * layout.pp * layout.ep * layout.etp != 1:
+            _ENGINE_WORLD = _one_rank_world(ps, me)
     else:
         # torch names a locally synchronized group by its ranks *and the number of groups the calling
         # process has registered so far*, so every member must have created the same number of groups
@@ -132,6 +136,57 @@ def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] =
                 rank_offset=0 if place.is_trainer(me) else me)
     _PLACEMENT = place
     seed_everything(seed)
+
+
+_ENGINE_WORLD: Optional[dict] = None
+
+
+def _megatron_state(ps) -> dict:
+    """parallel_state's module-level state (its _UPPER_CASE globals: groups, ranks, sizes, buffers)."""
+    return {k: v for k, v in vars(ps).items() if k.startswith("_") and k[1:2].isupper()}
+
+
+def _one_rank_world(ps, me: int) -> dict:
+    """A 1x1x1 Megatron world of this rank alone, created beside the trainer's; returns its state and leaves
+    the trainer's in place. Every rank creates the same groups (its own), so the group counts agree."""
+    trainer = _megatron_state(ps)
+    ps.destroy_model_parallel()          # forgets the trainer's groups (they stay alive in `trainer`)
+    with _local_group_creation(ps):
+        ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                                     local_world_size=1, rank_offset=me)
+    engine = _megatron_state(ps)
+    vars(ps).update(trainer)
+    return engine
+
+
+def engine_world_active() -> bool:
+    """Whether this rank's colocated engine has a Megatron world of its own (a sharded colocated trainer)."""
+    return _ENGINE_WORLD is not None
+
+
+class engine_world:
+    """Megatron's parallel state as the colocated engine must see it, for the duration of a with-block.
+
+    A colocated engine runs the whole model on its rank. Beside a sharded trainer (TP/PP/EP > 1) it gets a
+    one-rank world of its own (set_layout creates it), swapped in while the engine builds or runs and
+    swapped back after; otherwise this does nothing. Not reentrant across threads (the loop is serial)."""
+
+    def __enter__(self):
+        if _ENGINE_WORLD is None:
+            return self
+        from megatron.core import parallel_state as ps
+
+        self._saved = _megatron_state(ps)
+        vars(ps).update(_ENGINE_WORLD)
+        return self
+
+    def __exit__(self, *exc):
+        saved = getattr(self, "_saved", None)
+        if saved is not None:
+            from megatron.core import parallel_state as ps
+
+            vars(ps).update(saved)
+            self._saved = None
 
 
 class _local_group_creation:
@@ -192,8 +247,8 @@ def teardown() -> None:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
     finally:
-        global _PLACEMENT, _TRAINER_GROUP, _WEIGHT_SYNC_GROUP
-        _PLACEMENT = _TRAINER_GROUP = _WEIGHT_SYNC_GROUP = None
+        global _PLACEMENT, _TRAINER_GROUP, _WEIGHT_SYNC_GROUP, _ENGINE_WORLD
+        _PLACEMENT = _TRAINER_GROUP = _WEIGHT_SYNC_GROUP = _ENGINE_WORLD = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
