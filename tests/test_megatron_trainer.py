@@ -129,3 +129,10 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(layouts):
     # the 4th update uses the restored Adam moments and step: within 10% of the reference's update
     # (a fresh optimizer gives ~100% error)
     assert r["update4_rel_err"] < 0.1, r
+
+
+def test_weights_only_load_survives_the_next_optimizer_step(tmp_path):
+    """run.init_checkpoint loads weights without optimizer state: the optimizer's copies must follow (with
+    bf16 params on a GPU, Megatron's fp32 main copies otherwise put the initial weights back at the first
+    step). tests/dist/weights_only_load.py; on CPU fp32 plus a check that the optimizer was refreshed."""
+    _torchrun(1, "weights_only_load.py", tmp_path)

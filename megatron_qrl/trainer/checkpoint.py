@@ -339,6 +339,8 @@ def load(trainer, path: str | Path, load_optimizer: bool = True) -> dict:
             step = int(loaded.get("optimizer_step", loaded.get("step", 0)))
             trainer.optimizer.load_state_dict(_with_current_param_groups(trainer.optimizer, loaded["optimizer"], step))
         trainer.scheduler.load_state_dict(loaded["scheduler"])
+    else:   # bf16 params: the optimizer's fp32 main copies would otherwise put the old weights back at its step
+        trainer.optimizer.reload_model_params()
     if same_layout and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     trainer.step = int(loaded.get("step", manifest["step"]))
