@@ -7,6 +7,7 @@ small modules (megatron_qrl.pipeline, .trainer, .rollout, .rl, .trace).
 from __future__ import annotations
 
 import argparse
+import time
 
 from megatron_qrl.config import load_config
 
@@ -45,6 +46,7 @@ def train(cfg) -> dict:
     with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log, r:
         for step in progress_bar(range(start, end), total=cfg.run.total_steps, initial=start,
                                  desc="RL", rank=env.rank, unit="step"):
+            t_step = time.perf_counter()
             m = r.sync(step)                                                   # FP4 bytes + digests, AQN draw
             samples, rollouts, gen_m = r.generate(next(s.prompts), step)       # the whole batch on every rank
             batch = build_batch(samples, rollouts, s.tokenizer, cfg.rollout.group_size,
@@ -52,7 +54,9 @@ def train(cfg) -> dict:
             s.guard.check_batch(batch, step)                               # NaN/Inf: the updates will skip
             guides, trace_m = r.trace(batch, step)                             # this rank's TRACE cache
             r.idle()                                                           # colocated: free engine memory
+            t_logp = time.perf_counter()
             logp_old = s.trainer.logprobs(trainer_batch(batch, guides))
+            m["time/logprobs_s"] = time.perf_counter() - t_logp
             trace_m = {**s.trace.after_logprobs(), **trace_m}                             # code mismatch
             weights, is_m = is_weights(logp_old, batch.logp_rollout, batch.advantages, batch.loss_mask,
                                        cfg.rl.is_method, cfg.rl)
@@ -64,7 +68,7 @@ def train(cfg) -> dict:
                 m.update(r.evaluate(step))
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 save_checkpoint(s, step + 1)
-            log.log(m, step=step)
+            log.log({**m, **s.step_resources(t_step)}, step=step)                 # step time, peak memory
             last = m
             s.guard.stop_if_exhausted(save_checkpoint, step + 1)           # too many NaN steps: ckpt + stop
         if cfg.run.checkpoint_every and end % cfg.run.checkpoint_every:

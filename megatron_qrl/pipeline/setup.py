@@ -144,6 +144,15 @@ class RunSetup:
                 "rollout/tokens_per_s": generated / max(rollout_s, 1e-9), "time/wall": time.time()}
 
     @staticmethod
+    def step_resources(t_start: float) -> dict:
+        """Wall time since t_start and, on a GPU, this rank's peak allocated memory since the last call."""
+        out = {"time/step_s": time.perf_counter() - t_start}
+        if torch.cuda.is_available():
+            out["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
+    @staticmethod
     def train_key(name: str) -> str:
         """Trainer stat names -> the metric names of docs/metrics.md."""
         return _TRAIN_KEYS.get(name, name if "/" in name else f"train/{name}")
