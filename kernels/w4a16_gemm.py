@@ -27,9 +27,12 @@ the weights. Split-K spreads K over more CTAs when N alone cannot fill 132 SMs; 
 of each output tile sums the fp32 partials in split order (one launch, deterministic, no atomics on the
 data). Large M runs the classic orientation with x converted once per call (x_pre).
 
-Config choice: `heuristic_config` (sm_90 table measured on an H200, docs/PERF.md), or a one-time timing
-of `candidate_configs` per (format, M bucket, N, K) under CUDA graphs (`QRL_W4A16_AUTOTUNE=1` or
-`autotune=True`), cached per process.
+NVFP4 at M <= 2 goes to the CUDA-core split-K GEMV of w4a16_gemv.py instead (no tensor cores; faster there,
+slower from M = 4 on: docs/PERF.md).
+
+Config choice: `heuristic_config` (sm_90 table measured on an H200, docs/PERF.md; a GemvConfig or a
+GemmConfig), or a one-time timing of `candidate_configs` (both kinds) per (format, M bucket, N, K) under CUDA
+graphs (`QRL_W4A16_AUTOTUNE=1` or `autotune=True`), cached per process.
 
 Interpreter: under TRITON_INTERPRET=1 (set it before the kernels are imported) the dots run in fp32 and
 bf16 casts round with integer arithmetic (the CPU interpreter's bf16 tl.dot is wrong and its float->bf16
@@ -47,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -355,8 +359,26 @@ _SWAP_TABLE = {16: (16, 128, 128, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, Fals
 _LARGE = (64, 128, 128, 4, 3, True)
 
 
-def heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT) -> GemmConfig:
-    """sm_90 defaults (H200: 132 SMs); used under the interpreter and when autotuning is off."""
+# Small-M dispatch (NVFP4): GEMV bucket -> GEMV variant (block_n, groups, CTAs per SM, prefetch), or None for
+# the tensor-core kernel. Measured on an H200 (docs/PERF.md "W4A16 GEMM kernels"): the GEMV is faster at
+# M = 1 (1.3-1.45x) and at M = 2 for K=4096 N=14336 (1.09x; a tie at K=7168 N=4096); from M = 4 on the
+# tensor-core kernel is faster (1.6-4.5x), so M >= 3 keeps it.
+_GEMV_TABLE = {1: (64, 8, 8, False), 2: (64, 8, 8, True), 4: None, 8: None, 16: None}
+
+
+def heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT):
+    """The default kernel for (fmt, M, N, K): the CUDA-core GEMV (GemvConfig) for NVFP4 where _GEMV_TABLE
+    names one for M's bucket, else the tensor-core kernel (GemmConfig, `dot_heuristic_config`)."""
+    if gemv_supported(fmt, m, k):
+        v = _GEMV_TABLE.get(gemv_bucket(m))
+        if v is not None:
+            bn, g, per_sm, pf = v
+            return make_gemv_config(m, n, k, sms, bn, g, per_sm, prefetch=pf)
+    return dot_heuristic_config(fmt, m, n, k, sms)
+
+
+def dot_heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT) -> GemmConfig:
+    """sm_90 defaults of the tensor-core kernel (H200: 132 SMs)."""
     fp16 = fmt == "nvfp4"
     mb = m_bucket(m)
     if mb <= 64:
@@ -371,11 +393,14 @@ def heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAUL
     return GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=xpre and fp16)
 
 
-def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT) -> list[GemmConfig]:
-    """A few configs per M bucket that the on-device autotuner times (the heuristic one first)."""
+def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT) -> list:
+    """A few configs per M bucket that the on-device autotuner times (the heuristic one first): tensor-core
+    configs, plus the GEMV variants for NVFP4 at M <= 16."""
     fp16 = fmt == "nvfp4"
     mb = m_bucket(m)
-    out = [heuristic_config(fmt, m, n, k, sms)]
+    out = [heuristic_config(fmt, m, n, k, sms), dot_heuristic_config(fmt, m, n, k, sms)]
+    if gemv_supported(fmt, m, k):
+        out += gemv_candidates(m, n, k, sms)
     if mb <= 64:
         bm = max(16, mb)
         # (BLOCK_N, BLOCK_K cap, warps, stages, x_pre, CTAs per SM)
@@ -503,15 +528,17 @@ def _tile_counters(device, tiles: int) -> torch.Tensor:
 
 
 def select_config(w: PreparedFP4Weight, m: int, device, autotune: Optional[bool] = None,
-                  x2: Optional[torch.Tensor] = None) -> GemmConfig:
+                  x2: Optional[torch.Tensor] = None):
     sms = _num_sms(device)
     if not _autotune_enabled(autotune) or x2 is None:
         return heuristic_config(w.fmt, m, w.n, w.k, sms)
-    key = ("dense", w.fmt, m_bucket(m), w.n, w.k, str(device))
+    key = ("dense", w.fmt, gemv_bucket(m) if m <= 16 else m_bucket(m), w.n, w.k, str(device))
     cfg = _TUNED.get(key)
     if cfg is None:
         tmp = torch.empty((m, w.n), device=device, dtype=torch.bfloat16)
-        cfg = _tune(key, candidate_configs(w.fmt, m, w.n, w.k, sms), lambda c: launch_w4a16(x2, w, c, tmp))
+        cfg = _tune(key, candidate_configs(w.fmt, m, w.n, w.k, sms),
+                    lambda c: (launch_gemv(x2, w, c, tmp) if isinstance(c, GemvConfig)
+                               else launch_w4a16(x2, w, c, tmp)))
         if cfg is None:
             raise RuntimeError(f"no W4A16 config ran for M={m} N={w.n} K={w.k}")
     return cfg
@@ -542,6 +569,12 @@ def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Ten
     if m == 0:
         return out.reshape(*lead, w.n).to(x.dtype)
     cfg = config or select_config(w, m, x.device, autotune, x2)
+    if isinstance(cfg, GemvConfig):
+        if not out.is_contiguous() and out.stride(-1) != 1:
+            raise ValueError("the GEMV kernel needs an output with unit inner stride")
+        launch_gemv(x2, w, cfg, out, interpret=INTERPRET)
+        y = out.reshape(*lead, w.n)
+        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
     if w.fmt == "mxfp4" and cfg.fp16_dot:
         cfg = replace(cfg, fp16_dot=False)
     if w.k % cfg.block_k:

@@ -256,8 +256,14 @@ def bench_dense(args, copy_bw, log):
                 best = min(ok, key=lambda r: r["us"]) if ok else None
                 heur = dense.heuristic_config(fmt, m, n, k).short()
                 heur_r = next((r for r in ok if r["config"] == heur), None)
+                # tensor-core kernel (GemmConfig) vs CUDA-core GEMV (GemvConfig, names "V...")
+                dot_ok = [r for r in ok if not r["config"].startswith("V")]
+                gemv_ok = [r for r in ok if r["config"].startswith("V")]
+                best_dot = min(dot_ok, key=lambda r: r["us"]) if dot_ok else None
+                best_gemv = min(gemv_ok, key=lambda r: r["us"]) if gemv_ok else None
                 row = dict(kind="dense", fmt=fmt, K=k, N=n, M=m, copies=copies, bf16_us=t_bf16,
                            fp4_us=best["us"] if best else None, best=best, heuristic=heur_r, all=results,
+                           best_dot=best_dot, best_gemv=best_gemv,
                            fp4_weight_bytes=fp4_bytes, bf16_weight_bytes=2 * n * k, copy_gbs=copy_bw)
                 if best:
                     row["speedup"] = t_bf16 / best["us"]
@@ -267,7 +273,11 @@ def bench_dense(args, copy_bw, log):
                 log(f"dense {fmt} K={k} N={n} M={m}: bf16 {t_bf16:.1f}us  fp4 "
                     f"{best['us'] if best else float('nan'):.1f}us ({best['config'] if best else '-'}) "
                     f"x{row.get('speedup', float('nan')):.2f}  fp4 {row.get('fp4_gbs', 0):.0f} GB/s  "
-                    f"err {best['err'] if best else float('nan'):.1e}", row)
+                    f"err {best['err'] if best else float('nan'):.1e}  | tensor-core "
+                    f"{best_dot['us'] if best_dot else float('nan'):.1f}us ({best_dot['config'] if best_dot else '-'})"
+                    f"  gemv {best_gemv['us'] if best_gemv else float('nan'):.1f}us "
+                    f"({best_gemv['config'] if best_gemv else '-'})  default "
+                    f"{heur_r['us'] if heur_r else float('nan'):.1f}us ({heur})", row)
             w_fp4 = w_bf16 = None  # free before the next shape
             if DEV == "cuda":
                 torch.cuda.empty_cache()
@@ -468,6 +478,21 @@ def markdown(env, rows):
         lines.append(f"| {r['kind']} | {shape} | {mt} | {r['bf16_us']:.1f} | {r['fp4_us']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['fp4_gbs']:.0f} ({100 * r['fp4_gbs'] / r['copy_gbs']:.0f}%) | "
                      f"{r['bf16_gbs']:.0f} | {b['err']:.1e} | {b['config']} |")
+    dense = [r for r in rows if r["kind"] == "dense" and r.get("best")]
+    if dense:
+        lines += ["", "Dense detail: tensor-core kernel (best of its configs) vs CUDA-core GEMV (best of its "
+                  "variants) vs the default (`heuristic_config`).", "",
+                  "| shape | M | bf16 (us) | tensor-core (us, config) | GEMV (us, config) | default (us, config) | "
+                  "default speedup | default GB/s | rel. err |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in dense:
+            def cell(b):
+                return f"{b['us']:.1f} ({b['config']})" if b else "-"
+            h = r.get("heuristic")
+            sp = f"{r['bf16_us'] / h['us']:.2f}x" if h else "-"
+            gbs = f"{r['fp4_weight_bytes'] / (h['us'] * 1e-6) / 1e9:.0f}" if h else "-"
+            lines.append(f"| {r['fmt']} K={r['K']} N={r['N']} | {r['M']} | {r['bf16_us']:.1f} | "
+                         f"{cell(r.get('best_dot'))} | {cell(r.get('best_gemv'))} | {cell(h)} | {sp} | {gbs} | "
+                         f"{(h or r['best'])['err']:.1e} |")
     lines += ["", "Attention rows: bf16 = torch SDPA (enable_gqa) over a bf16 cache; the GB/s columns count the "
               "KV-cache bytes (codes + scales) instead of weights."]
     return "\n".join(lines)
