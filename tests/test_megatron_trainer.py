@@ -131,8 +131,10 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(layouts):
     assert r["update4_rel_err"] < 0.1, r
 
 
-def test_weights_only_load_survives_the_next_optimizer_step(tmp_path):
-    """run.init_checkpoint loads weights without optimizer state: the optimizer's copies must follow (with
-    bf16 params on a GPU, Megatron's fp32 main copies otherwise put the initial weights back at the first
-    step). tests/dist/weights_only_load.py; on CPU fp32 plus a check that the optimizer was refreshed."""
+def test_weights_written_outside_autograd_reach_the_forward(tmp_path):
+    """Two GPU bugs found by the H200 evidence run, checked on CPU (tests/dist/weights_only_load.py): the
+    FP4 linears' cached fake-quant weights must follow writes through `.data` (Megatron's bf16 optimizers
+    write so, unseen by version counters); and run.init_checkpoint's weights-only load must refresh the
+    optimizer's copies (with bf16 params its fp32 main copies put the initial weights back at the first step;
+    on CPU fp32 the check is that the optimizer was refreshed)."""
     _torchrun(1, "weights_only_load.py", tmp_path)

@@ -113,6 +113,15 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return use_triton(x)
 
 
+_WEIGHT_EPOCH = [0]
+
+
+def weights_changed() -> None:
+    """Invalidate every FP4 linear's cached fake-quant weight: call after anything writes model weights
+    outside autograd's version tracking (an optimizer step, a checkpoint load)."""
+    _WEIGHT_EPOCH[0] += 1
+
+
 def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[GuidedRounding] = None,
                         capture: bool = False, fallback_shift: float = 0.25,
                         stats: Optional[dict] = None, amax_floor: Optional[torch.Tensor] = None):
@@ -203,9 +212,11 @@ class _FP4LinearMixin:
         return straight_through(x, deq)
 
     def _quant_weight(self, w: torch.Tensor) -> torch.Tensor:
-        # A weight changes only at optimizer steps (in place, bumping its version counter): quantize it once
-        # per version instead of in every micro-batch and pass. The STE below still runs per forward.
-        key = (id(w), w.data_ptr(), w._version, w.dtype, self.quant.format)
+        # Quantize a weight once per change instead of in every micro-batch and pass (the STE below still
+        # runs per forward). Changes are seen through the version counter (in-place autograd-visible edits)
+        # and the weight epoch (`weights_changed`): Megatron's bf16 optimizers write the model params through
+        # `.data` / the DDP param buffer, which no version counter sees.
+        key = (id(w), w.data_ptr(), w._version, _WEIGHT_EPOCH[0], w.dtype, self.quant.format)
         cached = getattr(self, "_fq_weight_cache", None)
         if cached is None or cached[0] != key:
             deq, _ = quantize_dequantize(w, self.quant.format, group=self._tp())

@@ -341,6 +341,9 @@ def load(trainer, path: str | Path, load_optimizer: bool = True) -> dict:
         trainer.scheduler.load_state_dict(loaded["scheduler"])
     else:   # bf16 params: the optimizer's fp32 main copies would otherwise put the old weights back at its step
         trainer.optimizer.reload_model_params()
+    from megatron_qrl.models import weights_changed
+
+    weights_changed()   # load_state_dict copies through .data: drop the cached FP4 weights
     if same_layout and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     trainer.step = int(loaded.get("step", manifest["step"]))

@@ -35,7 +35,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_qrl.models import (build_model, clear_replay, guided_fallback_stats, pop_router_agreement,
-                                 r3_routers, sequence_parallel_enabled, set_guide_provider, transformer_config)
+                                 r3_routers, sequence_parallel_enabled, set_guide_provider, transformer_config,
+                                 weights_changed)
 from megatron_qrl.platform import Layout, device, init_distributed, trainer_group
 
 from . import checkpoint as ckpt
@@ -177,6 +178,7 @@ class Trainer:
         out = self._run(sb, loss_fn, forward_only=False)
         finalize_model_grads(self.model, num_tokens=None)
         ok, grad_norm, _ = self.optimizer.step()
+        weights_changed()   # bf16 optimizers write the params through .data: drop the cached FP4 weights
         if ok:
             self.scheduler.step(increment=1)
             self.step += 1

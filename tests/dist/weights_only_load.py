@@ -1,4 +1,10 @@
-"""Weights-only checkpoint load with bf16 params (launched by tests/test_megatron_trainer.py).
+"""Weights written outside autograd (launched by tests/test_megatron_trainer.py).
+
+(1) The FP4 linears cache their fake-quantized weight per change; Megatron's bf16 optimizers write the model
+params through `.data` / the DDP param buffer, which no version counter sees, so the trainer must announce
+the change (`weights_changed`, called by train_step and load): a write through `.data` followed by it
+must reach the next forward, and train_step must call it.
+(2) Weights-only checkpoint load with bf16 params.
 
 With bf16 model params Megatron's optimizers keep fp32 main (master) copies; a load that restores the model
 but not the optimizer must refresh them, or the first step writes the old (initial) weights back over the
@@ -49,6 +55,33 @@ def main(outdir: str) -> None:
         assert not changed, f"distributed optimizer={dist_opt}: a step after a weights-only load moved " \
                             f"{len(changed)} params back, e.g. {changed[:3]}"
         print(f"weights-only load ok (bf16={bf16}, distributed optimizer={dist_opt})", flush=True)
+    check_weight_cache(b)
+
+
+def check_weight_cache(trainer) -> None:
+    import torch
+    from megatron.core.utils import unwrap_model
+
+    from megatron_qrl.models import fp4_linear, fp4_linears, weights_changed
+
+    from megatron_qrl.models import quantize_dequantize
+
+    batch = common.make_batch()
+    linears = [lin for lin in fp4_linears(unwrap_model(trainer.model)[0]) if lin.quant.weights]
+    assert linears
+    trainer.logprobs(batch)                    # fills every linear's cache
+    with torch.no_grad():
+        for lin in linears:
+            lin.weight.data.mul_(0.5)          # as Megatron's bf16 optimizers write: no version bump
+    weights_changed()
+    trainer.logprobs(batch)
+    for lin in linears:   # the forward used the FP4 codes of the weight as it is now
+        expected, _ = quantize_dequantize(lin.weight.detach(), lin.quant.format, group=lin._tp())
+        assert torch.equal(lin._fq_weight_cache[1], expected), f"{lin.site.name}: stale FP4 weight after a .data write"
+    epoch = fp4_linear._WEIGHT_EPOCH[0]
+    trainer.train_step(batch, common.loss_fn)
+    assert fp4_linear._WEIGHT_EPOCH[0] > epoch, "train_step must invalidate the cached FP4 weights"
+    print("FP4 weight cache follows .data writes", flush=True)
 
 
 if __name__ == "__main__":
