@@ -39,6 +39,7 @@ def main(outdir: str) -> None:
         over = common.overrides("w4a16") + [f"trainer.bf16={bf16}", f"trainer.use_distributed_optimizer={dist_opt}",
                                             "trainer.lr=1e-30", "trainer.clip_grad=0"]
         a = Trainer(load_config(None, over + ["trainer.seed=1"]))
+        a.train_step(common.make_batch(), common.loss_fn)   # Megatron's distributed optimizer saves after a step
         path = f"{outdir}/a_{dist_opt}"
         a.save(path, {})
         saved = params(a)
