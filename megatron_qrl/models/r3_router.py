@@ -48,6 +48,9 @@ class _ReplayHook:
         with torch.no_grad():
             own_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, own_ids, True)
             hits = own_mask.gather(1, ids)
+            if r.replay_counted is not None:   # only tokens the engine routed (no padding)
+                counted = r.replay_counted.to(hits.device)
+                hits = hits[counted]
             r.agreement_hits += int(hits.sum())
             r.agreement_total += hits.numel()
         r.last_topk_ids = ids
@@ -61,14 +64,17 @@ class R3TopKRouter(TopKRouter):
         super().__init__(*args, **kwargs)
         self.layer_index = -1                      # global 0-based, set by assign_sites
         self.replay_ids: Optional[torch.Tensor] = None
+        self.replay_counted: Optional[torch.Tensor] = None   # bool [tokens]: slots agreement counts
         self.last_topk_ids: Optional[torch.Tensor] = None
         self.agreement_hits = 0
         self.agreement_total = 0
         self.router_replay = _ReplayHook(self)
 
-    def set_replay(self, ids: Optional[torch.Tensor]) -> None:
-        """Replay these [tokens, topk] expert ids in the next forwards (None: route normally)."""
+    def set_replay(self, ids: Optional[torch.Tensor], counted: Optional[torch.Tensor] = None) -> None:
+        """Replay these [tokens, topk] expert ids in the next forwards (None: route normally); `counted`
+        (bool [tokens]) limits the agreement statistic to real, engine-routed tokens."""
         self.replay_ids = ids
+        self.replay_counted = counted if ids is not None else None
 
 
 def r3_routers(model) -> list[R3TopKRouter]:

@@ -32,6 +32,7 @@ class RolloutBatch:
     logp_rollout: torch.Tensor       # float [B, T] (0 off the response)
     r3_expert_ids: Optional[torch.Tensor]  # long [B, T, L, k] or None
     prompt_lens: list[int]
+    r3_mask: Optional[torch.Tensor] = None  # float [B, T]: 1 where the engine routed the token (its R3 ids are real)
 
     @property
     def num_response_tokens(self) -> int:
@@ -78,8 +79,11 @@ def build_batch(samples: list[Sample], rollouts: list[RolloutSample], tokenizer,
         loss_mask[i, P:P + n] = 1.0
         if r.logprobs is not None:
             logp[i, P:P + n] = r.logprobs.float().cpu()
+    r3_ids = _r3_ids(rollouts, T)
+    r3_mask = (torch.arange(T)[None, :] < torch.tensor([r.num_forwarded for r in rollouts])[:, None]).float() \
+        if r3_ids is not None else None
     return RolloutBatch(samples, rollouts, responses, rewards, advantages, tokens, loss_mask, logp,
-                        _r3_ids(rollouts, T), [len(r.prompt_ids) for r in rollouts])
+                        r3_ids, [len(r.prompt_ids) for r in rollouts], r3_mask)
 
 
 def sft_batch(samples: Sequence[Sample], tokenizer) -> dict:

@@ -229,6 +229,8 @@ def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Ten
     """The trainer's batch dict (megatron_qrl.trainer.batch) for log-probs or a GRPO update."""
     out = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "r3_expert_ids": batch.r3_expert_ids,
            "trace_guides": guides}
+    if batch.r3_mask is not None:
+        out["r3_mask"] = batch.r3_mask
     if logp_old is not None:
         out.update(logp_old=logp_old, advantages=batch.advantages, is_weights=weights)
     return out

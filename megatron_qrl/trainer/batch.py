@@ -7,6 +7,8 @@ A batch is a dict; every rank passes the same *global* batch (the RL loop has it
                                   0..T-1, so sequences start at position 0 (right padding only)
     r3_expert_ids  long  [B, T, L, k]  optional R3 replay: expert ids the rollout used for input token t
                                   at MoE layer l (global layer index), applied when cfg.r3.enabled
+    r3_mask        float [B, T]   optional: 1 where those ids are the engine's (0: tokens it never routed);
+                                  r3/router_agreement counts only these (and never padding)
     trace_guides   optional callable(sample_ids: long [mb], batch_rows: long [mb]) -> provider or None,
                    where provider(site: QuantSite, x: Tensor) -> GuidedRounding | None is the TRACE
                    replay for one micro-batch (megatron_qrl.models.fp4_linear); sample_ids index the
@@ -16,7 +18,8 @@ A batch is a dict; every rank passes the same *global* batch (the RL loop has it
     micro-batch and handed to the loss function; other values pass through unchanged.
 
 The trainer adds per micro-batch: sample_ids [mb] (global indices, -1 for padding), batch_rows [mb] (rows
-of the padded batch), sample_mask [mb] (0 for padding samples), num_global_tokens (sum of loss_mask over the real global batch) and num_global_samples (B).
+of the padded batch), sample_mask [mb] (0 for padding samples), num_global_tokens (sum of loss_mask over the
+real global batch), num_global_samples (B) and num_real_positions (T before the sequence-parallel padding).
 
 Sharding: B is padded (with copies of sample 0, loss_mask 0, sample_mask 0) to a multiple of
 dp * micro_batch_size; data-parallel rank r takes the contiguous slice r of dp slices, then splits it
@@ -108,7 +111,7 @@ def shard(batch: dict, dp_rank: int, dp_size: int, micro_batch_size: int, seq_mu
         else:
             extras[k] = v
     for k, v in list(tensors.items()):
-        v = _pad_rows(v, Bp - B, zero=k in ("loss_mask", "sample_mask"))
+        v = _pad_rows(v, Bp - B, zero=k in ("loss_mask", "sample_mask", "r3_mask"))
         if k == "sample_ids" and Bp > B:
             v = v.clone()
             v[B:] = -1
@@ -128,6 +131,7 @@ def shard(batch: dict, dp_rank: int, dp_size: int, micro_batch_size: int, seq_mu
         mb["position_ids"] = torch.arange(Tp, device=mb["tokens"].device).expand(mb["tokens"].shape[0], Tp)
         mb["num_global_tokens"] = num_global_tokens
         mb["num_global_samples"] = B
+        mb["num_real_positions"] = T      # positions >= T pad T for sequence parallelism
         mb["trace_guides"] = batch.get("trace_guides")
         mbs.append(mb)
     return ShardedBatch(mbs, B, Bp, T, Tp, dp_rank, dp_size)

@@ -91,6 +91,13 @@ class Trainer:
     def _set_micro_batch_hooks(self, mb: dict) -> None:
         ids = mb.get("r3_expert_ids") if self.cfg.r3.enabled else None
         tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        counted = None   # tokens r3/router_agreement counts: routed by the engine, not padding
+        if ids is not None:
+            real = mb["sample_mask"][:, None].expand(-1, ids.shape[1]).clone()
+            real[:, mb["num_real_positions"]:] = 0
+            if mb.get("r3_mask") is not None:
+                real = real * mb["r3_mask"]
+            counted = replay_ids_for_router(real.unsqueeze(-1), tp_rank, tp, self.sequence_parallel)[:, 0] > 0
         for router in self.routers:
             if ids is None:
                 router.set_replay(None)
@@ -99,7 +106,7 @@ class Trainer:
                     raise ValueError(f"batch['r3_expert_ids'] has {ids.shape[2]} layers; MoE layer "
                                      f"{router.layer_index} needs ids")
                 router.set_replay(replay_ids_for_router(ids[:, :, router.layer_index], tp_rank, tp,
-                                                        self.sequence_parallel))
+                                                        self.sequence_parallel), counted)
         guides = mb.get("trace_guides")
         set_guide_provider(self.model, guides(mb["sample_ids"], mb["batch_rows"]) if guides is not None else None)
 

@@ -156,7 +156,7 @@ def trace_checks(trainer) -> dict:
     guides = {r.site: GuidedRounding(r.bits, r.scales, r.global_scale) for r in records}
     calls = []
 
-    def trace_guides(sample_ids):
+    def trace_guides(sample_ids, batch_rows=None):
         calls.append(sample_ids.tolist())
         return lambda site, x: guides.get(site.name)
 
@@ -164,7 +164,7 @@ def trace_checks(trainer) -> dict:
     lp1 = trainer.logprobs({**one, "trace_guides": trace_guides})
     fallback = guided_fallback_stats(trainer.model)
     flipped = {k: GuidedRounding(g.bits ^ 0xFF, g.scales, g.global_scale) for k, g in guides.items()}
-    lp2 = trainer.logprobs({**one, "trace_guides": lambda ids: (lambda site, x: flipped.get(site.name))})
+    lp2 = trainer.logprobs({**one, "trace_guides": lambda ids, rows=None: (lambda site, x: flipped.get(site.name))})
     names = sorted(guides)
     return {"trace/num_sites": len(guides), "trace/records": len(records), "trace/site_examples": names[:3],
             "trace/has_expert_sites": any(".fc1.E" in n for n in names), "trace/provider_calls": calls,
