@@ -14,7 +14,6 @@ repository runs; a production sync would stream per layer and gather only on the
 """
 from __future__ import annotations
 
-import io
 import re
 
 import torch
@@ -59,15 +58,13 @@ def _global_name(name: str, chunk) -> str:
 def _merge_over(local: dict, group) -> dict:
     if group is None or dist.get_world_size(group) == 1:
         return local
-    buf = io.BytesIO()
-    torch.save({k: v.cpu() for k, v in local.items()}, buf)
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, buf.getvalue(), group=group)
-    out: dict = {}
-    for p in parts:
-        out.update(torch.load(io.BytesIO(p), weights_only=True))
+    from megatron_qrl.trace.transport import comm_device
+
+    from .weight_transport import all_gather_tensors
+
     device = next(iter(local.values())).device if local else torch.device("cpu")
-    return {k: v.to(device) for k, v in out.items()}
+    merged = all_gather_tensors(local, group, comm_device(group))
+    return {k: v.to(device) for k, v in merged.items()}
 
 
 def full_named_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:

@@ -62,8 +62,8 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def send_weights(weights: dict[str, Payload], spec: list[dict], src: int, group, device) -> int:
-    """Sender side (rank `src`): every bucket of `spec` filled from `weights` and broadcast. Returns bytes sent."""
+def _filled_buckets(weights: dict[str, Payload], spec: list[dict], device):
+    """The buckets of `spec`, filled from `weights`, one at a time (so one bucket of extra memory)."""
     sizes = bucket_sizes(spec)
     fills: list[list[tuple[int, torch.Tensor]]] = [[] for _ in sizes]
     for entry in spec:
@@ -75,8 +75,29 @@ def send_weights(weights: dict[str, Payload], spec: list[dict], src: int, group,
         for offset, t in fill:
             raw = _byte_view(t)
             buf[offset:offset + raw.numel()].copy_(raw, non_blocking=True)
+        yield buf
+
+
+def _unpack(spec: list[dict], buckets: list[torch.Tensor]) -> dict[str, Payload]:
+    """The payloads of `spec` as views into `buckets`."""
+    out: dict[str, Payload] = {}
+    for entry in spec:
+        parts = []
+        for dtype, shape, bucket, offset in entry["parts"]:
+            dt = getattr(torch, dtype)
+            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+            parts.append(buckets[bucket][offset:offset + n].view(dt).reshape(shape))
+        out[entry["name"]] = FP4Tensor(entry["format"], *parts) if entry["format"] is not None else parts[0]
+    return out
+
+
+def send_weights(weights: dict[str, Payload], spec: list[dict], src: int, group, device) -> int:
+    """Sender side (rank `src`): every bucket of `spec` filled from `weights` and broadcast. Returns bytes sent."""
+    sent = 0
+    for buf in _filled_buckets(weights, spec, device):
         dist.broadcast(buf, src, group=group)
-    return sum(sizes)
+        sent += buf.numel()
+    return sent
 
 
 def receive_weights(spec: list[dict], src: int, group, device) -> dict[str, Payload]:
@@ -86,12 +107,22 @@ def receive_weights(spec: list[dict], src: int, group, device) -> dict[str, Payl
         buf = torch.empty(size, dtype=torch.uint8, device=device)
         dist.broadcast(buf, src, group=group)
         buckets.append(buf)
-    out: dict[str, Payload] = {}
-    for entry in spec:
-        parts = []
-        for dtype, shape, bucket, offset in entry["parts"]:
-            dt = getattr(torch, dtype)
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            parts.append(buckets[bucket][offset:offset + n].view(dt).reshape(shape))
-        out[entry["name"]] = FP4Tensor(entry["format"], *parts) if entry["format"] is not None else parts[0]
+    return _unpack(spec, buckets)
+
+
+def all_gather_tensors(local: dict[str, torch.Tensor], group, device) -> dict[str, torch.Tensor]:
+    """Every rank's tensors (distinct names, any shapes and dtypes) on every rank of `group`: one manifest
+    exchange as objects, then one all_gather of flat byte buffers on `device` (the GPU under NCCL)."""
+    spec = manifest(local, bucket_bytes=1 << 62)
+    specs: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(specs, spec, group=group)
+    size = max([sum(bucket_sizes(s)) for s in specs] + [1])
+    mine = next(_filled_buckets(local, spec, device), torch.empty(0, dtype=torch.uint8, device=device))
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    buf[:mine.numel()].copy_(mine)
+    parts = [torch.empty(size, dtype=torch.uint8, device=device) for _ in specs]
+    dist.all_gather(parts, buf, group=group)
+    out: dict[str, torch.Tensor] = {}
+    for s, part in zip(specs, parts):
+        out.update(_unpack(s, [part]))
     return out

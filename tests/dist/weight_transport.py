@@ -2,13 +2,14 @@
 
 Rank 0 sends a payload dict of FP4 and plain tensors (0-dim, empty, odd sizes, a part larger than a bucket)
 to ranks 1 and 2; every receiver must rebuild exactly the sent bytes, dtypes and shapes, and the payloads
-must pass the engine's digest check.
+must pass the engine's digest check. Then all_gather_tensors (expert shards of different sizes per rank,
+one rank with none): every rank ends with every rank's tensors, bit for bit.
 """
 import torch
 import torch.distributed as dist
 
 from megatron_qrl.pipeline.rollout_service import broadcast_object
-from megatron_qrl.pipeline.weight_transport import manifest, receive_weights, send_weights
+from megatron_qrl.pipeline.weight_transport import all_gather_tensors, manifest, receive_weights, send_weights
 from megatron_qrl.rollout.weights import FP4Tensor, digest_problem, pack_weight, payload_digest
 
 
@@ -52,6 +53,17 @@ def main():
         for name in sent:
             assert same(sent[name], got[name]), name
             assert digest_problem(name, got[name], hashes[name]) is None, name
+    def shard_of(r):
+        g = torch.Generator().manual_seed(100 + r)
+        if r == 2:
+            return {}
+        return {f"experts.{r}.w": torch.randn(3 + r, 8, generator=g).to(torch.bfloat16),
+                f"experts.{r}.b": torch.arange(5 * (r + 1), dtype=torch.float32)}
+    merged = all_gather_tensors(shard_of(rank), None, torch.device("cpu"))
+    expected = {k: v for r in range(dist.get_world_size()) for k, v in shard_of(r).items()}
+    assert sorted(merged) == sorted(expected)
+    for name in expected:
+        assert same(expected[name], merged[name]), name
     dist.barrier()
     print(f"WEIGHT TRANSPORT OK rank {rank}", flush=True)
     dist.destroy_process_group()
