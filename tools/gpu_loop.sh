@@ -3,9 +3,12 @@
 #   colocated  1 GPU: trainer and engine on the same rank
 #   disagg     2 GPUs: trainer rank 0 + engine rank 1 (NCCL weight buckets and TRACE caches)
 #   ep2        2 GPUs, colocated: an EP=2 trainer whose two ranks also serve rollouts (engine_world)
-# Device run (carry .whl): see docs/PERF.md "RL loop on the H200". Writes $OUT/<run>.log and $OUT/<run>/.
+# Device run (carry .whl): see docs/PERF.md "RL loop on the H200". Writes $OUT/<run>.log and
+# $OUT/<run>.metrics.jsonl; the run directories go under RUN_ROOT (default /tmp/qrl_gpu_loop).
 set -uo pipefail
 OUT=${OUT:-/tmp/qrl_gpu_loop}
+RUN_ROOT=${RUN_ROOT:-/tmp/qrl_gpu_loop}
+mkdir -p "$OUT" "$RUN_ROOT"
 COMMON=(--config configs/single_h200.yaml run.wandb_mode=disabled run.checkpoint_every=0 run.eval_every=0
         model.num_layers=${LAYERS:-4} run.total_steps=${STEPS:-3} run.sft_steps=${SFT:-10} run.sft_lr=1e-4
         rollout.prompts_per_step=16 rollout.group_size=8 rollout.max_new_tokens=32 trace.enabled=true
@@ -15,15 +18,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 for run in ${RUNS:-disagg ep2}; do
   case $run in
     colocated) CUDA_VISIBLE_DEVICES=0 timeout ${T:-200} python3 -m megatron_qrl.launch.train "${COMMON[@]}" \
-                 run.output_dir=$OUT/$run > $OUT/$run.log 2>&1 ;;
+                 run.output_dir=$RUN_ROOT/$run > $OUT/$run.log 2>&1 ;;
     disagg) timeout ${T:-200} python3 -m torch.distributed.run --nproc_per_node 2 -m megatron_qrl.launch.train \
-              "${COMMON[@]}" rollout.placement=disaggregated run.output_dir=$OUT/$run > $OUT/$run.log 2>&1 ;;
+              "${COMMON[@]}" rollout.placement=disaggregated run.output_dir=$RUN_ROOT/$run > $OUT/$run.log 2>&1 ;;
     ep2) timeout ${T:-200} python3 -m torch.distributed.run --nproc_per_node 2 -m megatron_qrl.launch.train \
-           "${COMMON[@]}" trainer.expert_parallel=2 run.output_dir=$OUT/$run > $OUT/$run.log 2>&1 ;;
+           "${COMMON[@]}" trainer.expert_parallel=2 run.output_dir=$RUN_ROOT/$run > $OUT/$run.log 2>&1 ;;
   esac
   echo "== $run rc=$?"
   grep -v Warn $OUT/$run.log | grep -B2 -A12 Traceback | head -40
-  python3 - $OUT/$run/metrics.jsonl <<'PY'
+  cp "$RUN_ROOT/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" 2>/dev/null
+  python3 - $RUN_ROOT/$run/metrics.jsonl <<'PY'
 import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 keys = ["reward/mean", "rollout/s", "rollout/tokens_per_s", "trace/build_s", "trace/transfer_s", "trace/cache_bytes",
