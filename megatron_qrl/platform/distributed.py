@@ -94,11 +94,12 @@ def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] =
     """(Re)create Megatron's model-parallel groups for `layout` and seed all RNGs.
 
     With a disaggregated placement the trainer ranks get `layout` over a world of their own and every
-    engine rank a one-rank 1x1x1 world (see megatron_qrl.platform.placement).
+    engine rank a one-rank 1x1x1 world (see megatron_qrl.platform.placement); colocated with a sharded
+    layout, every rank also gets a one-rank world for its engine (`engine_world`).
     """
     from megatron.core import parallel_state as ps
 
-    global _PLACEMENT, _TRAINER_GROUP, _WEIGHT_SYNC_GROUP
+    global _PLACEMENT, _TRAINER_GROUP, _WEIGHT_SYNC_GROUP, _ENGINE_WORLD
     place = place or Placement("colocated", dist.get_world_size(), dist.get_world_size())
     world = place.num_trainers
     if cfg is not None:
@@ -108,7 +109,6 @@ def set_layout(layout: Layout, seed: int, cfg=None, place: Optional[Placement] =
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     me = dist.get_rank()
-    global _ENGINE_WORLD
     _ENGINE_WORLD = None
     if not place.disaggregated:
         ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
