@@ -218,9 +218,10 @@ def w4a16_from_checkpoint(traced_run, tmp_path_factory):
     return init, _train(tmp_path_factory.mktemp("w4a16_from_ckpt"), steps=2, extra=init)
 
 
-@pytest.mark.parametrize("layout", ["trainer.tensor_parallel=2", "trainer.expert_parallel=2"])
+@pytest.mark.parametrize("layout", ["trainer.tensor_parallel=2", "trainer.pipeline_parallel=2",
+                                    "trainer.expert_parallel=2"])
 def test_colocated_sharded_trainer_matches_one_process(w4a16_from_checkpoint, layout, tmp_path):
-    """Two ranks, each a trainer shard (TP=2, or EP=2 with DP=2) and an engine: every sync gathers the full
+    """Two ranks, each a trainer shard (TP=2, PP=2, or EP=2 with DP=2) and an engine: every sync gathers the full
     model on every rank, each engine runs it in a one-rank Megatron world of its own
     (platform.engine_world) and generates a share of the prompts."""
     init, ref = w4a16_from_checkpoint
