@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+from .tiling import split_k_for
 from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -337,20 +338,6 @@ def _num_sms(device) -> int:
     return NUM_SMS_DEFAULT
 
 
-def _split_for(tiles: int, k_tiles: int, sms: int, cap: int = 16, per_sm: int = 2) -> int:
-    """Split-K factor: a divisor of k_tiles (no idle splits) that brings tiles * split nearest to per_sm
-    CTAs per SM, never fewer CTAs than SMs when avoidable."""
-    best, best_cost = 1, None
-    for d in range(1, min(cap, k_tiles) + 1):
-        if k_tiles % d:
-            continue
-        ctas = tiles * d
-        cost = abs(ctas - per_sm * sms) + (4 * sms if ctas < sms else 0)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = d, cost
-    return best
-
-
 # Small-M (swapped) kernels by M bucket: (BLOCK_M, BLOCK_N, BLOCK_K cap, warps, stages, x_pre, CTAs/SM).
 # Chosen on an H200 (docs/PERF.md "W4A16 GEMM kernels"); candidate_configs lists the alternatives timed.
 _SWAP_TABLE = {16: (16, 128, 128, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, False, 2),
@@ -384,12 +371,12 @@ def dot_heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DE
     if mb <= 64:
         bm, bn, bk_cap, w, st, xpre, per_sm = _SWAP_TABLE[max(16, mb)]
         bk = _largest_block_k(k, bk_cap)
-        split = _split_for(triton.cdiv(n, bn), k // bk, sms, per_sm=per_sm)
+        split = split_k_for(triton.cdiv(n, bn), k // bk, sms, per_sm=per_sm)
         return GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=xpre and fp16)
     bm, bn, bk_cap, w, st, xpre = _LARGE
     bk = _largest_block_k(k, bk_cap)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    split = _split_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
+    split = split_k_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
     return GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=xpre and fp16)
 
 
@@ -411,13 +398,13 @@ def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAU
                     (64, 256, 4, 2, False, 4)]
         for bn, bk, w, st, xpre, per_sm in opts:
             bk = _largest_block_k(k, bk)
-            split = _split_for(triton.cdiv(n, bn), k // bk, sms, per_sm=per_sm)
+            split = split_k_for(triton.cdiv(n, bn), k // bk, sms, per_sm=per_sm)
             out.append(GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=xpre and fp16))
     else:
         for bm, bn, bk, w, st in ((128, 256, 64, 8, 3), (64, 128, 256, 4, 2), (64, 128, 128, 4, 4)):
             bk = _largest_block_k(k, bk)
             tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-            split = _split_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
+            split = split_k_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
             out.append(GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=fp16))
     seen, uniq = set(), []
     for c in out:

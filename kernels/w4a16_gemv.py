@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+from .tiling import split_k_for
 
 X_EXP = 2                      # activations enter the fp16 FMA as x * 2^X_EXP
 # acc = sum_b (s_b * 2^5) * sum (code * 2^-14)(x * 2^X_EXP) = y / s_global * 2^(X_EXP - 9); gs = s_global * 2^22
@@ -391,17 +392,7 @@ def _largest_groups(k: int, cap: int) -> int:
 def gemv_split(n: int, k: int, block_n: int, groups: int, m_chunks: int, sms: int, per_sm: int,
                cap: int = 32) -> int:
     """Split-K: a divisor of the K steps giving about per_sm CTAs per SM (never fewer CTAs than SMs)."""
-    tiles = triton.cdiv(n, block_n) * m_chunks
-    steps = k // (32 * groups)
-    best, best_cost = 1, None
-    for d in range(1, min(cap, steps) + 1):
-        if steps % d:
-            continue
-        ctas = tiles * d
-        cost = abs(ctas - per_sm * sms) + (4 * sms if ctas < sms else 0)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = d, cost
-    return best
+    return split_k_for(triton.cdiv(n, block_n) * m_chunks, k // (32 * groups), sms, cap=cap, per_sm=per_sm)
 
 
 def make_gemv_config(m: int, n: int, k: int, sms: int = 132, block_n: int = 64, groups: int = 8,
