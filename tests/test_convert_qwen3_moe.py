@@ -9,13 +9,14 @@
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launch_ranks import torchrun_cmd
 
 # fp32 everywhere. HF and Megatron compute the same function with different kernels: RoPE's cos/sin
 # (HF builds them per call from position ids, Megatron caches its frequency table), attention (eager
@@ -209,19 +210,13 @@ def test_generated_config_without_source_config(converted, tmp_path):
 
 
 # ------------------------------------------------------------------------------ TP=2 (2 gloo ranks)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_loads_at_tp2(converted, trainer, tmp_path):
     batch = {"tokens": tokens()}
     reference = trainer.logprobs(batch)
     out = tmp_path / "tp2.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           __file__, str(converted[2]), str(out)]
+    cmd = torchrun_cmd(2, __file__, str(converted[2]), str(out))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     diff = (torch.load(out) - reference).abs().max().item()

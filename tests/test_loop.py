@@ -2,12 +2,13 @@
 stopped run that resumes from its checkpoint and continues the same metrics stream."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launch_ranks import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 # W4A16 rollouts: with W4A4 the engine's per-tensor activation scale depends on which tokens share a step,
@@ -22,11 +23,6 @@ CLOSE = {"train/loss": 1e-5, "mismatch/logp_abs_diff": 1e-5, "ais/alpha": 1e-4, 
          "is/weight_mean": 1e-5}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _train(out: Path, steps: int, nproc: int = 1, extra=(), env_extra=None, check=True):
     args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"run.output_dir={out}",
@@ -37,8 +33,7 @@ def _train(out: Path, steps: int, nproc: int = 1, extra=(), env_extra=None, chec
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_qrl.launch.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), "-m", "megatron_qrl.launch.train", *args]
+        cmd = torchrun_cmd(nproc, "-m", "megatron_qrl.launch.train", *args)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if not check:
         return r

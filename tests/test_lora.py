@@ -8,7 +8,6 @@ loop runs 2 steps with lora.enabled on the tiny config.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ import pytest
 import torch
 
 from megatron_qrl.config import ConfigError, load_config
+
+from launch_ranks import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).parent / "dist"
@@ -159,16 +160,10 @@ def test_config_cross_checks(overrides, needle):
         load_config(ROOT / "configs/tiny_cpu.yaml", overrides)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torchrun(nproc: int, *args) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), str(DIST / "lora_tp.py"), *map(str, args)]
+    cmd = torchrun_cmd(nproc, str(DIST / "lora_tp.py"), *map(str, args))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 

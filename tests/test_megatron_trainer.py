@@ -7,12 +7,13 @@ tests/dist/mcore_common.py and explained where they are asserted.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launch_ranks import torchrun_cmd
 
 DIST = Path(__file__).parent / "dist"
 sys.path.insert(0, str(DIST))
@@ -29,16 +30,10 @@ LOGP_AFTER_UPDATES_MAX = 5e-2
 LOGP_AFTER_UPDATES_MEAN = 2e-3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torchrun(nproc: int, script: str, *args, timeout: int = 300) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), str(DIST / script), *map(str, args)]
+    cmd = torchrun_cmd(nproc, str(DIST / script), *map(str, args))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 

@@ -1,13 +1,13 @@
 """Data-parallel RL statistics (2 gloo ranks via torchrun) equal the single-process result."""
 import importlib.util
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launch_ranks import torchrun_cmd
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_ais_dp.py"
 
@@ -19,18 +19,12 @@ def _load_script():
     return mod
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_dp") / "result"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(SCRIPT), str(out)]
+    cmd = torchrun_cmd(2, str(SCRIPT), str(out))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]

@@ -1,8 +1,6 @@
 """TRACE transport: shard specs (DP/EP/TP/PP) locally, and two gloo ranks through torchrun."""
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,8 @@ import torch
 from megatron_qrl.trace import (EntryKey, ShardSpec, TraceCache, TraceMetrics, dp_samples, local_shard,
                                 megatron_ep_group, select)
 from megatron_qrl.trace.synthetic import make_rollout
+
+from launch_ranks import torchrun_cmd
 
 SCRIPT = Path(__file__).parent / "dist" / "trace_transport.py"
 
@@ -101,16 +101,10 @@ def test_colocated_mode_slices_locally(cache):
     assert metrics.as_dict()["trace/cache_bytes"] == part.nbytes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_gloo_ranks_disaggregated_ep_and_tp():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(SCRIPT)]
+    cmd = torchrun_cmd(2, str(SCRIPT))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -1,8 +1,6 @@
 """Bucketed weight broadcast (pipeline/weight_transport.py): the manifest's layout, and 3 gloo ranks."""
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,8 @@ import torch
 
 from megatron_qrl.pipeline.weight_transport import ALIGN, bucket_sizes, manifest
 from megatron_qrl.rollout.weights import pack_weight
+
+from launch_ranks import torchrun_cmd
 
 SCRIPT = Path(__file__).parent / "dist" / "weight_transport.py"
 
@@ -28,16 +28,10 @@ def test_manifest_aligns_parts_and_splits_buckets():
         manifest({"x": [1, 2]})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_three_gloo_ranks_receive_the_sent_bytes():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
-           str(_free_port()), str(SCRIPT)]
+    cmd = torchrun_cmd(3, str(SCRIPT))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
