@@ -48,11 +48,13 @@ class _ReplayHook:
         with torch.no_grad():
             own_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, own_ids, True)
             hits = own_mask.gather(1, ids)
-            if r.replay_counted is not None:   # only tokens the engine routed (no padding)
-                counted = r.replay_counted.to(hits.device)
-                hits = hits[counted]
-            r.agreement_hits += int(hits.sum())
-            r.agreement_total += hits.numel()
+            if r.replay_counted is None:
+                r.agreement_hits += int(hits.sum())
+                r.agreement_total += hits.numel()
+            else:   # only tokens the engine routed (no padding)
+                counted = r.replay_counted
+                r.agreement_hits += int((hits & counted[:, None]).sum())
+                r.agreement_total += int(counted.sum()) * hits.shape[1]
         r.last_topk_ids = ids
         return scores.gather(1, ids), ids
 

@@ -28,6 +28,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_qrl.trainer.batch import rows_per_dp_rank  # the trainer's padding rule (no Megatron import)
+
 from .cache import EntryCut, EntryKey, TraceCache, TraceEntry
 from .errors import CorruptCacheError
 from .integrity import check_checksum
@@ -134,12 +136,6 @@ class ShardSpec:
         expert_samples = sorted({s for d in group_dp for s in dp_samples(num_samples, d, dp_size, micro_batch_size)})
         return cls(samples=own, expert_samples=expert_samples, experts=experts, layers=layers, tp_rank=tp_rank,
                    tp_size=tp_size, etp_rank=etp_rank, etp_size=etp_size)
-
-
-def rows_per_dp_rank(num_samples: int, dp_size: int, micro_batch_size: int = 1) -> int:
-    """Rows of the padded batch each data-parallel rank runs (trainer.batch.shard's padding)."""
-    per_rank = -(-num_samples // dp_size)
-    return -(-per_rank // micro_batch_size) * micro_batch_size
 
 
 def dp_samples(num_samples: int, dp_rank: int, dp_size: int, micro_batch_size: int = 1) -> range:

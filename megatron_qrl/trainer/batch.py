@@ -85,12 +85,17 @@ def _pad_seq(x: torch.Tensor, n: int, repeat_last: bool) -> torch.Tensor:
     return torch.cat([x, pad.expand(x.shape[0], n, *x.shape[2:])], dim=1)
 
 
+def rows_per_dp_rank(num_samples: int, dp_size: int, micro_batch_size: int = 1) -> int:
+    """Rows of the padded batch each data-parallel rank runs: B split evenly, rounded up to micro-batches."""
+    per_rank = -(-num_samples // dp_size)
+    return -(-per_rank // micro_batch_size) * micro_batch_size
+
+
 def shard(batch: dict, dp_rank: int, dp_size: int, micro_batch_size: int, seq_multiple: int = 1,
           device: torch.device | None = None) -> ShardedBatch:
     """Pad, take this data-parallel rank's slice and cut it into micro-batches."""
     B, T = validate(batch)
-    per_rank = -(-B // dp_size)
-    per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
+    per_rank = rows_per_dp_rank(B, dp_size, micro_batch_size)
     Bp = per_rank * dp_size
     Tp = -(-T // seq_multiple) * seq_multiple
     loss_mask = batch.get("loss_mask")

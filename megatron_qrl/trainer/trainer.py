@@ -97,7 +97,8 @@ class Trainer:
             real[:, mb["num_real_positions"]:] = 0
             if mb.get("r3_mask") is not None:
                 real = real * mb["r3_mask"]
-            counted = replay_ids_for_router(real.unsqueeze(-1), tp_rank, tp, self.sequence_parallel)[:, 0] > 0
+            counted = (replay_ids_for_router(real.unsqueeze(-1), tp_rank, tp, self.sequence_parallel)[:, 0] > 0
+                       ).to(self.device)   # once per micro-batch, not per router
         for router in self.routers:
             if ids is None:
                 router.set_replay(None)
