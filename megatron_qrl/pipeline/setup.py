@@ -19,7 +19,7 @@ from megatron_qrl.rollout.protocol import SamplingParams
 from .guards import StepGuard
 from .losses import sft_loss
 from .rollout_batch import RolloutBatch, encode_prompts, sft_batch
-from .rollout_service import build_rollouts, from_bytes, to_bytes
+from .rollout_service import build_rollouts, engine_share, from_bytes, to_bytes
 from .run_state import complete_checkpoints, mark_latest, step_path
 from .trace_bridge import TraceBridge
 from .weight_sync import check_rl_layout
@@ -40,8 +40,6 @@ class RunSetup:
     prompts: PromptBatches
     reward_fn: Any
     trace: TraceBridge
-    dp_rank: int = 0
-    dp_size: int = 1
     extra: dict = field(default_factory=dict)
     placement: Any = None               # megatron_qrl.platform.Placement: which ranks train / generate
     rollouts: Any = None                # the loop's rollout interface (rollout_service.py)
@@ -74,8 +72,7 @@ class RunSetup:
             engine = build_engine(cfg) if place.is_engine(me) else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
-        s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg),
-                trainer.dp_rank if trainer else 0, trainer.dp_size if trainer else 1)
+        s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg))
         s.placement = place
         s.rollouts = build_rollouts(s, place)
         s.guard = StepGuard(s) if trainer is not None else None   # engine ranks of a disaggregated job: none
@@ -207,8 +204,6 @@ def check_job(cfg, world_size: int) -> None:
 def generate_shard(s: RunSetup, prompts: list, step: int):
     """Colocated: each rank's engine generates a contiguous share of the prompt groups (the same shares,
     seeds and sample indices as that many disaggregated engines); all ranks get all."""
-    from .rollout_service import engine_share
-
     G = s.cfg.rollout.group_size
     rank, world = dist.get_rank(), dist.get_world_size()
     first, stop = engine_share(len(prompts), rank, world)

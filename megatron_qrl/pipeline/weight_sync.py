@@ -23,14 +23,20 @@ def unwrap(trainer_model: list) -> list[torch.nn.Module]:
     return unwrap_model(list(trainer_model))   # DDP, then Float16Module (bf16 on GPU)
 
 
+def is_sharded(cfg) -> bool:
+    """The trainer holds shards (TP/PP/EP/ETP > 1): the engine needs the gathered full model."""
+    t = cfg.trainer
+    return t.tensor_parallel * t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel != 1
+
+
 def check_rl_layout(cfg) -> None:
     """Layouts the RL loop runs: any trainer layout with embedded engines, colocated or disaggregated."""
     if cfg.lora.enabled and cfg.rollout.placement == "disaggregated":
         raise ValueError("lora.enabled with rollout.placement=disaggregated is not implemented (the adapters-only "
                          "sync runs in-process): use rollout.placement=colocated for QeRL mode")
     t = cfg.trainer
-    sharded = t.tensor_parallel * t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel != 1
-    if sharded and cfg.rollout.placement == "colocated" and (cfg.lora.enabled or cfg.rollout.engine != "embedded"):
+    colocated_sharded = is_sharded(cfg) and cfg.rollout.placement == "colocated"
+    if colocated_sharded and (cfg.lora.enabled or cfg.rollout.engine != "embedded"):
         what = "lora.enabled" if cfg.lora.enabled else f"rollout.engine={cfg.rollout.engine}"
         raise ValueError(
             f"{what} with a sharded colocated trainer (trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel="
@@ -40,11 +46,6 @@ def check_rl_layout(cfg) -> None:
         raise ValueError("TRACE replay under trainer.expert_parallel>1 together with tensor_parallel>1 is not "
                          "implemented (each dispatch source holds a sequence shard; trace/lookup.py ExpertSources): "
                          "set trace.enabled=false or trainer.tensor_parallel=1")
-
-
-def is_sharded(cfg) -> bool:
-    t = cfg.trainer
-    return t.tensor_parallel * t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel != 1
 
 
 def aqn_seed(run_seed: int, step: int) -> int:
