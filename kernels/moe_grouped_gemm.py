@@ -177,13 +177,23 @@ class MoEConfig:
     fp16_dot: bool = True
     asm: bool = True
     x_pre: bool = False       # fp16 path: convert the input once (gate/up); the intermediate is then fp16
+    gemv: bool = False        # CUDA-core kernel (moe_gemv.py; NVFP4, block_m <= 2, block_k = K per step)
 
 
-def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool) -> MoEConfig:
-    """sm_90 choice (docs/PERF.md): block_m by tokens per expert; the fp16 input operand is converted by a
-    separate kernel (x_pre) only once there are enough assignments to pay for the extra launch; the down
-    projection uses 64-row weight tiles with 16-token blocks, 128-row tiles with larger blocks."""
+# the CUDA-core path while routed experts average at most this many assignments (docs/PERF.md)
+GEMV_MAX_PER_EXPERT = 2.0
+
+
+def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
+                         fmt: str = "nvfp4", gemv: bool = True) -> MoEConfig:
+    """sm_90 choice (docs/PERF.md): NVFP4 with <= GEMV_MAX_PER_EXPERT assignments per expert takes the
+    CUDA-core GEMV (one token per program); otherwise block_m by tokens per expert; the fp16 input operand
+    is converted by a separate kernel (x_pre) only once there are enough assignments to pay for the extra
+    launch; the down projection uses 64-row weight tiles with 16-token blocks, 128-row tiles with larger
+    blocks. gemv=False: the tensor-core choice regardless."""
     per_expert = n_assign / max(1, num_experts)
+    if gemv and fmt == "nvfp4" and per_expert <= GEMV_MAX_PER_EXPERT:
+        return MoEConfig(1, 64, _bk(k), 4, 1, gemv=True)
     bm = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
     x_pre = bm == 16 and n_assign >= 64
     bn = 64 if gated or bm == 16 else 128
@@ -197,6 +207,11 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     k = w.k
     if k % cfg.block_k:
         raise ValueError(f"MoE config block_k={cfg.block_k} does not divide K={k}")
+    if cfg.gemv:
+        from .moe_gemv import launch_moe_gemv
+
+        return launch_moe_gemv(x, w, y, routing, topk_w, gated, cfg.block_n, cfg.block_k // 32, cfg.num_warps,
+                               INTERPRET, cfg.asm)
     is_mx = w.fmt == "mxfp4"
     fp16 = cfg.fp16_dot and not is_mx
     grid = (routing.num_blocks, triton.cdiv(n, cfg.block_n))
@@ -217,10 +232,10 @@ def moe_gate_up(x: torch.Tensor, w13: PreparedFP4Weight, routing: MoERouting,
     """silu(x W1^T) * (x W3^T) per assignment, rows in sorted order: [num_blocks * block_m, F], bf16, or with
     cfg.x_pre (fp16 path) fp16 holding the value * 2^-8 (what moe_down consumes directly)."""
     f = w13.n // 2
-    cfg = config or heuristic_moe_config(routing.n_assign, w13.num_experts, f, w13.k, True)
+    cfg = config or heuristic_moe_config(routing.n_assign, w13.num_experts, f, w13.k, True, w13.fmt)
     if cfg.block_m != routing.block_m:
         raise ValueError(f"config block_m={cfg.block_m} differs from the routing's {routing.block_m}")
-    pre = cfg.x_pre and cfg.fp16_dot and w13.fmt == "nvfp4"
+    pre = cfg.x_pre and cfg.fp16_dot and w13.fmt == "nvfp4" and not cfg.gemv
     if pre and x.dtype != torch.float16:
         x = to_fp16_operand(x)
     h = torch.empty((routing.sorted_ids.numel(), f), device=x.device,
@@ -242,9 +257,11 @@ def moe_down(h: torch.Tensor, w2: PreparedFP4Weight, routing: MoERouting, topk_w
              config: Optional[MoEConfig] = None) -> torch.Tensor:
     """Down projection of the sorted intermediate rows (moe_gate_up's output), times the router weight:
     bf16 [T * k, H]."""
-    cfg = config or heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False)
+    cfg = config or heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt)
     if cfg.block_m != routing.block_m:
         raise ValueError(f"config block_m={cfg.block_m} differs from the routing's {routing.block_m}")
+    if cfg.gemv and h.dtype == torch.float16:       # the tensor-core gate/up's scaled fp16 operand
+        h = (h.float() * 256.0).to(torch.bfloat16)
     y = torch.empty((routing.n_assign, w2.n), device=h.device, dtype=torch.bfloat16)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return _launch(h, w2, y, routing, tw, False, cfg)
@@ -272,15 +289,16 @@ def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, to
     t, k = (routing.n_tokens, routing.top_k) if routing is not None else topk_ids.shape
     if routing is None:
         bm = (gate_up_config.block_m if gate_up_config else
-              heuristic_moe_config(t * k, w13.num_experts, w13.n // 2, w13.k, True).block_m)
+              heuristic_moe_config(t * k, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt).block_m)
         routing = moe_align(topk_ids, w13.num_experts, bm)
     h = moe_gate_up(x, w13, routing, gate_up_config)
     if down_config is None:
         if gate_up_config is None:
-            down_config = heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False)
+            down_config = heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt)
         else:
             g = gate_up_config
-            down_config = MoEConfig(routing.block_m, 128, _bk(w2.k), 4, 3, g.fp16_dot, g.asm, g.x_pre)
+            down_config = MoEConfig(routing.block_m, 64 if g.gemv else 128, _bk(w2.k), 4, 1 if g.gemv else 3,
+                                    g.fp16_dot, g.asm, g.x_pre, g.gemv)
     if h.dtype == torch.float16 and not (down_config.fp16_dot and w2.fmt == "nvfp4"):
         h = (h.float() * 256.0).to(torch.bfloat16)
     y = moe_down(h, w2, routing, topk_weights, down_config)

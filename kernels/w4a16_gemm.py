@@ -406,6 +406,13 @@ def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAU
             tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
             split = split_k_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
             out.append(GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=fp16))
+        # swapped, 64 tokens per tile (fastest at K=7168 N=4096 M=128 by 3%; 128-token swapped tiles were
+        # slower everywhere: docs/PERF.md)
+        for bm, bn, bk, w, st in ((64, 128, 128, 4, 3),):
+            bk = _largest_block_k(k, bk)
+            tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+            split = split_k_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
+            out.append(GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=fp16))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

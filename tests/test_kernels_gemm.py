@@ -25,8 +25,8 @@ pytest.importorskip("triton")
 from megatron_qrl.kernels.layouts import (decode_nvfp4_scales, dequantize_prepared,  # noqa: E402
                                           encode_nvfp4_scales, permute_nibbles, prepare_mxfp4_weight,
                                           prepare_nvfp4_weight, unpermute_nibbles)
-from megatron_qrl.kernels.moe_grouped_gemm import (MoEConfig, moe_align, moe_w4a16,  # noqa: E402
-                                                   moe_w4a16_reference)
+from megatron_qrl.kernels.moe_grouped_gemm import (MoEConfig, heuristic_moe_config, moe_align,  # noqa: E402
+                                                   moe_w4a16, moe_w4a16_reference)
 from megatron_qrl.kernels.w4a16_gemm import (GemmConfig, candidate_configs, dot_heuristic_config,  # noqa: E402
                                              heuristic_config, w4a16_gemm, w4a16_gemm_reference)
 from megatron_qrl.kernels.w4a16_gemv import GemvConfig  # noqa: E402
@@ -270,6 +270,43 @@ def test_moe_block_m_32_and_bf16_path():
     cfg = MoEConfig(block_m=32, block_n=64, block_k=64, fp16_dot=False)
     y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=cfg, down_config=cfg)
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
+
+
+@pytest.mark.parametrize("block_m,block_n,block_k", [(1, 64, 256), (2, 32, 64), (2, 64, 128)])
+def test_moe_gemv_matches_per_expert_reference(block_m, block_n, block_k):
+    """The CUDA-core path: experts with 0, 1 and several tokens (block_m=2 pads odd runs), F not a multiple
+    of block_n (masked columns), K steps of 64-256; both projections on the GEMV."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    e, h, f, k, t = 6, 256, 96, 2, 5
+    w13 = _experts("nvfp4", e, 2 * f, h, gen)
+    w2 = _experts("nvfp4", e, h, f, gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
+    logits = torch.randn(t, e, generator=gen)
+    logits[:, 0] += 4.0                                    # expert 0 takes most tokens
+    tw, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    gu = MoEConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=1, gemv=True)
+    dn = MoEConfig(block_m=block_m, block_n=block_n, block_k=32, num_stages=1, gemv=True)   # K = F = 96
+    y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
+    assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
+    if block_m == 1:   # the default at this size (1.7 assignments per expert) is this GEMV config
+        assert heuristic_moe_config(t * k, e, f, h, True) == gu
+        assert torch.equal(moe_w4a16(x, w13, w2, ids, tw), y), seed
+
+
+def test_moe_gemv_dispatch_rules():
+    # NVFP4 decode batches go to the CUDA-core kernel; more tokens per expert, or MXFP4, to the tensor cores
+    assert heuristic_moe_config(8 * 8, 128, 768, 2048, True).gemv
+    assert not heuristic_moe_config(64 * 8, 128, 768, 2048, True).gemv
+    assert not heuristic_moe_config(8 * 8, 128, 768, 2048, True, "mxfp4").gemv
+    gen = torch.Generator().manual_seed(_seed())
+    w = _experts("mxfp4", 2, 64, 64, gen)
+    from megatron_qrl.kernels.moe_gemv import launch_moe_gemv
+    r = moe_align(torch.zeros(1, 1, dtype=torch.long, device=DEVICE), 2, 1)
+    with pytest.raises(ValueError, match="NVFP4 expert stack"):
+        launch_moe_gemv(torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE), w,
+                        torch.empty(1, 64, dtype=torch.bfloat16, device=DEVICE), r, None, False, 64, 2, 4, True)
 
 
 # ------------------------------------------------------------------------------------------------

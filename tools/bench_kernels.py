@@ -119,7 +119,19 @@ def moe_configs(moe, t, mode):
     gu = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["ffn"], MOE["hidden"], True)
     dn = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["hidden"], MOE["ffn"], False)
     out = [(gu, dn)]
+    if mode != "heuristic" and n_assign <= 4 * MOE["experts"]:
+        # the CUDA-core GEMV (block_m tokens per program, gate/up and down weight-row tiles)
+        for bm, bn_gu, bn_dn, w in ((1, 32, 64, 4), (1, 64, 64, 4), (1, 64, 128, 8), (2, 32, 64, 4),
+                                    (2, 64, 64, 4), (2, 32, 32, 4), (2, 64, 64, 8)):
+            out.append((moe.MoEConfig(bm, bn_gu, moe._bk(MOE["hidden"]), w, 1, gemv=True),
+                        moe.MoEConfig(bm, bn_dn, moe._bk(MOE["ffn"]), w, 1, gemv=True)))
+    if gu.gemv:          # the tensor-core kernel's default and its variants below
+        gu = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["ffn"], MOE["hidden"], True, gemv=False)
+        dn = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["hidden"], MOE["ffn"], False, gemv=False)
+        out.append((gu, dn))
     if mode != "heuristic":
+        out += [(replace(gu, block_n=32), dn), (gu, replace(dn, block_n=32)),
+                (gu, replace(dn, block_k=128, num_stages=4)), (replace(gu, num_stages=4), dn)]
         alt = not gu.x_pre
         out.append((replace(gu, x_pre=alt), replace(dn, x_pre=alt, block_n=64 if alt else 128)))
         out.append((gu, replace(dn, block_n=256 // dn.block_n * 32 if dn.block_n != 128 else 64)))
@@ -127,7 +139,7 @@ def moe_configs(moe, t, mode):
             out.append((replace(gu, block_n=128, block_k=min(128, gu.block_k), num_warps=8, num_stages=4, x_pre=xp),
                         replace(dn, block_n=128, block_k=min(128, dn.block_k), num_warps=8, num_stages=4,
                                 x_pre=xp)))
-    return out
+    return list(dict.fromkeys(out))
 
 
 def plan(args):
@@ -374,8 +386,9 @@ def bench_moe(args, copy_bw, log):
                         moe.moe_w4a16_reference(xx, w13q, w2q, i2, w2r, deq)),
                 rel_err(moe.moe_w4a16(x, w13q, w2q, ids, tw, gate_up_config=gu, down_config=dn), ref)),
                 float("inf"))
-            name = (f"gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}s{gu.num_stages}"
-                    f"{'/xpre' if gu.x_pre else ''} dn {dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}")
+            name = (f"{'gemv ' if gu.gemv else ''}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
+                    f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''} dn {dn.block_n}x{dn.block_k}/w{dn.num_warps}"
+                    f"s{dn.num_stages}")
             if err > 2e-2:
                 results.append(dict(config=name, err=err, us=None))
                 log(f"  FAIL moe T={t} {name} rel_err={err:.3e}")

@@ -138,8 +138,8 @@ class GroupedExperts:
         probs = permuted_probs.reshape(-1).float()
         xb = x.to(torch.bfloat16)
         f = self.w13.n // 2
-        gu = heuristic_moe_config(n, e, f, self.w13.k, True)
-        dn = heuristic_moe_config(n, e, self.w2.n, self.w2.k, False)
+        gu = heuristic_moe_config(n, e, f, self.w13.k, True, self.w13.fmt)
+        dn = heuristic_moe_config(n, e, self.w2.n, self.w2.k, False, self.w2.fmt)
         if self.w4a4:
             # the fc2 input is quantized on its real value: no fp16-scaled intermediate
             gu, dn = replace(gu, x_pre=False), replace(dn, x_pre=False)
