@@ -17,31 +17,33 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .w4a16_gemv import (GEMV_ACC_FACTOR, _decode_words, _load_sw, _load_w, _scales_f32, _tile_asm,
-                         _tile_int)
+from .w4a16_gemv import (GEMV_ACC_FACTOR, _decode_words, _load_sw, _load_w, _scales_f32, _tile_dot,
+                         _tile_int, _x_words)
 
 MAX_BLOCK_M = 2      # tokens per program: at 3+ the per-token work outweighs the shared decode (dense GEMV)
 
 
 @triton.jit
-def _token_step(acc, d, w0, w1, w2, w3, xp, s_lo, s_hi, USE_ASM: tl.constexpr):
+def _token_step(acc, d, w0, w1, w2, w3, xw, xp, s_lo, s_hi, USE_ASM: tl.constexpr):
     if USE_ASM:
-        return _tile_asm(d, xp, s_lo, s_hi, acc)
+        return _tile_dot(d, xw, s_lo, s_hi, acc)
     return _tile_int(w0, w1, w2, w3, xp, s_lo, s_hi, acc)
 
 
 @triton.jit
-def _rows_step(acc0, acc1, w_ptrs, s_ptrs, x0, x1, BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
-    """One K step of one weight-row tile for the program's (1 or 2) tokens."""
+def _rows_step(acc0, acc1, w_ptrs, s_ptrs, xw0, xw1, x0, x1, BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
+    """One K step of one weight-row tile for the program's (1 or 2) tokens; xw0/xw1: their activations,
+    converted once per step (_x_words) and shared by the gate and up rows (GPU), x0/x1 their pointers
+    (interpreter)."""
     w0, w1, w2, w3 = _load_w(w_ptrs, USE_ASM)
     s_lo, s_hi = _scales_f32(_load_sw(s_ptrs, USE_ASM))
     if USE_ASM:
         d = _decode_words(w0, w1, w2, w3)
     else:
         d = w0
-    acc0 = _token_step(acc0, d, w0, w1, w2, w3, x0, s_lo, s_hi, USE_ASM)
+    acc0 = _token_step(acc0, d, w0, w1, w2, w3, xw0, x0, s_lo, s_hi, USE_ASM)
     if BLOCK_M == 2:
-        acc1 = _token_step(acc1, d, w0, w1, w2, w3, x1, s_lo, s_hi, USE_ASM)
+        acc1 = _token_step(acc1, d, w0, w1, w2, w3, xw1, x1, s_lo, s_hi, USE_ASM)
     return acc0, acc1
 
 
@@ -111,9 +113,16 @@ def _moe_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
         st = s_grp + t * (2 * GROUPS)
         xt0 = x0 + t * (32 * GROUPS)
         xt1 = x1 + t * (32 * GROUPS)
-        acc_g0, acc_g1 = _rows_step(acc_g0, acc_g1, wt, st, xt0, xt1, BLOCK_M, USE_ASM)
+        xw0 = xt0
+        xw1 = xt1
+        if USE_ASM:
+            xw0 = _x_words(xt0)
+            if BLOCK_M == 2:
+                xw1 = _x_words(xt1)
+        acc_g0, acc_g1 = _rows_step(acc_g0, acc_g1, wt, st, xw0, xw1, xt0, xt1, BLOCK_M, USE_ASM)
         if GATED:
-            acc_u0, acc_u1 = _rows_step(acc_u0, acc_u1, wt + up_w, st + up_s, xt0, xt1, BLOCK_M, USE_ASM)
+            acc_u0, acc_u1 = _rows_step(acc_u0, acc_u1, wt + up_w, st + up_s, xw0, xw1, xt0, xt1, BLOCK_M,
+                                        USE_ASM)
 
     scale = tl.load(gs_ptr + expert) * acc_factor
     _store_token(tl.sum(acc_g0, axis=1) * scale, tl.sum(acc_u0, axis=1) * scale, 0, blk, a0, n_assign, offs_n,

@@ -180,8 +180,9 @@ class MoEConfig:
     gemv: bool = False        # CUDA-core kernel (moe_gemv.py; NVFP4, block_m <= 2, block_k = K per step)
 
 
-# the CUDA-core path while routed experts average at most this many assignments (docs/PERF.md)
-GEMV_MAX_PER_EXPERT = 2.0
+# the CUDA-core path while routed experts average at most this many assignments (H200, E=128 top-8: at 2
+# the tensor-core kernel is 1.2x faster than the GEMV with one or two tokens per program; docs/PERF.md)
+GEMV_MAX_PER_EXPERT = 1.0
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -190,14 +191,20 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     CUDA-core GEMV (one token per program); otherwise block_m by tokens per expert; the fp16 input operand
     is converted by a separate kernel (x_pre) only once there are enough assignments to pay for the extra
     launch; the down projection uses 64-row weight tiles with 16-token blocks, 128-row tiles with larger
-    blocks. gemv=False: the tensor-core choice regardless."""
+    blocks. gemv=False: the tensor-core choice regardless. Each choice is the fastest of the sweep in
+    tools/bench_kernels.py --configs all at E=128, H=2048, F=768, top-8."""
     per_expert = n_assign / max(1, num_experts)
     if gemv and fmt == "nvfp4" and per_expert <= GEMV_MAX_PER_EXPERT:
-        return MoEConfig(1, 64, _bk(k), 4, 1, gemv=True)
+        # gate/up tiles hold gate and up rows: 32 of each match the loads in flight of 64 down rows
+        return MoEConfig(1, 32 if gated else 64, _bk(k), 4, 1, gemv=True)
     bm = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
     x_pre = bm == 16 and n_assign >= 64
     bn = 64 if gated or bm == 16 else 128
-    return MoEConfig(bm, bn, _bk(k), 4, 3 if bm <= 32 else 2, x_pre=x_pre)
+    # 128-wide K steps (not 256) for 16-token blocks and every down projection up to 32-token blocks:
+    # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)
+    narrow_k = bm == 16 or (not gated and bm == 32)
+    bk = min(128, _bk(k)) if narrow_k else _bk(k)
+    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre)
 
 
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):

@@ -195,7 +195,18 @@ def _tile_int(w0, w1, w2, w3, xp, s_lo, s_hi, acc):
 def _tile_asm(d, xp, s_lo, s_hi, acc):
     """GPU: one (group, token) step. d: the 16 decoded fp16x2 words of the rows' groups (4 per weight
     word: low pair, low pair, high pair, high pair); xp: byte pointers [1, G] to the token's 32 activations."""
-    x = tl.inline_asm_elementwise(_LD_X, "=r," * 16 + "l", [xp], dtype=(tl.int32,) * 16, is_pure=True, pack=1)
+    return _tile_dot(d, _x_words(xp), s_lo, s_hi, acc)
+
+
+@triton.jit
+def _x_words(xp):
+    """GPU: the token's 32 activations at xp ([1, G] pointers) as 16 f16x2 words of x * 2^X_EXP."""
+    return tl.inline_asm_elementwise(_LD_X, "=r," * 16 + "l", [xp], dtype=(tl.int32,) * 16, is_pure=True, pack=1)
+
+
+@triton.jit
+def _tile_dot(d, x, s_lo, s_hi, acc):
+    """GPU: acc += the block-scaled dot of decoded weights d with converted activations x (_x_words)."""
     # low elements of word q: pairs 2q, 2q+1; high elements: pairs 8+2q, 9+2q
     lo = tl.inline_asm_elementwise(
         _HDOT8, "=r" + ",r" * 16,

@@ -129,16 +129,14 @@ def moe_configs(moe, t, mode):
         gu = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["ffn"], MOE["hidden"], True, gemv=False)
         dn = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["hidden"], MOE["ffn"], False, gemv=False)
         out.append((gu, dn))
-    if mode != "heuristic":
-        out += [(replace(gu, block_n=32), dn), (gu, replace(dn, block_n=32)),
-                (gu, replace(dn, block_k=128, num_stages=4)), (replace(gu, num_stages=4), dn)]
-        alt = not gu.x_pre
-        out.append((replace(gu, x_pre=alt), replace(dn, x_pre=alt, block_n=64 if alt else 128)))
-        out.append((gu, replace(dn, block_n=256 // dn.block_n * 32 if dn.block_n != 128 else 64)))
-        for xp in (gu.x_pre, not gu.x_pre):
-            out.append((replace(gu, block_n=128, block_k=min(128, gu.block_k), num_warps=8, num_stages=4, x_pre=xp),
-                        replace(dn, block_n=128, block_k=min(128, dn.block_k), num_warps=8, num_stages=4,
-                                x_pre=xp)))
+    if mode != "heuristic":   # the tensor-core kernel: one step in each direction from its default
+        gk = gu.block_k
+        out += [(replace(gu, block_k=max(32, gk // 2), num_stages=4), dn), (replace(gu, num_stages=4), dn),
+                (replace(gu, block_k=min(256, 2 * gk)), dn), (replace(gu, block_n=32), dn),
+                (replace(gu, block_n=128, num_warps=8), dn), (replace(gu, x_pre=not gu.x_pre), dn),
+                (gu, replace(dn, block_k=max(32, dn.block_k // 2))), (gu, replace(dn, num_stages=3)),
+                (gu, replace(dn, block_k=min(256, 2 * dn.block_k), num_stages=3)),
+                (gu, replace(dn, block_n=32)), (gu, replace(dn, block_n=128, num_warps=8))]
     return list(dict.fromkeys(out))
 
 
