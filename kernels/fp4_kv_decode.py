@@ -81,24 +81,26 @@ def _e4m3_f32(u):
 
 
 @triton.jit
-def _load_kv_halves(base, offs_s, s_mask, sc_base, gsc, HALF: tl.constexpr, IS_FP4: tl.constexpr,
-                    RNE: tl.constexpr):
+def _load_kv_halves(base, offs_s, s_mask, sc_base, gsc, BLOCK_S: tl.constexpr, HALF: tl.constexpr,
+                    IS_FP4: tl.constexpr, RNE: tl.constexpr):
     """Rows offs_s of one [S, D] cache slice -> (even, odd) head-dim halves, bf16 [BLOCK_S, D/2]."""
     dd = tl.arange(0, HALF)
     if IS_FP4:
-        b = tl.load(base + offs_s[:, None] * HALF + dd[None, :], mask=s_mask[:, None], other=0).to(tl.int32)
+        # [BLOCK_S, blocks, 8 bytes]: each scale byte is loaded once and broadcast over its block's 8 code
+        # bytes (loading it per byte, 8x over, made the FP4 path 2.7x slower than the FP8 one on an H200)
         nb: tl.constexpr = HALF // 8                       # scale blocks of 16 elements = 8 bytes
-        sb = tl.load(sc_base + offs_s[:, None] * nb + (dd // 8)[None, :], mask=s_mask[:, None],
-                     other=0).to(tl.int32)
-        s = _e4m3_f32(sb) * (gsc * 4194304.0)              # * 2^22: undo the 2^-14 and 2^-8 offsets
-        ev = _nib_f32(b & 0xF) * s
-        od = _nib_f32(b >> 4) * s
-    else:
-        d2 = 2 * dd
-        u0 = tl.load(base + offs_s[:, None] * (2 * HALF) + d2[None, :], mask=s_mask[:, None], other=0)
-        u1 = tl.load(base + offs_s[:, None] * (2 * HALF) + (d2 + 1)[None, :], mask=s_mask[:, None], other=0)
-        ev = _e4m3_f32(u0.to(tl.int32)) * (gsc * 256.0)
-        od = _e4m3_f32(u1.to(tl.int32)) * (gsc * 256.0)
+        j = tl.arange(0, nb)
+        e = tl.arange(0, 8)
+        b = tl.load(base + offs_s[:, None, None] * HALF + (j[:, None] * 8 + e[None, :])[None, :, :],
+                    mask=s_mask[:, None, None], other=0).to(tl.int32)
+        sb = tl.load(sc_base + offs_s[:, None] * nb + j[None, :], mask=s_mask[:, None], other=0).to(tl.int32)
+        s = (_e4m3_f32(sb) * (gsc * 4194304.0))[:, :, None]   # * 2^22: undo the 2^-14 and 2^-8 offsets
+        ev = tl.reshape(_nib_f32(b & 0xF) * s, (BLOCK_S, HALF))
+        od = tl.reshape(_nib_f32(b >> 4) * s, (BLOCK_S, HALF))
+    else:   # base: int16 words, each an (even, odd) pair of E4M3 bytes: one contiguous load per row
+        w = tl.load(base + offs_s[:, None] * HALF + dd[None, :], mask=s_mask[:, None], other=0).to(tl.int32)
+        ev = _e4m3_f32(w & 0xFF) * (gsc * 256.0)
+        od = _e4m3_f32((w >> 8) & 0xFF) * (gsc * 256.0)
     return _to_bf16(ev, RNE), _to_bf16(od, RNE)
 
 
@@ -131,14 +133,12 @@ def _decode_attn_kernel(q_ptr, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, len
     q_od = tl.load(q_rows + (2 * dd + 1)[None, :], mask=g_mask[:, None], other=0.0).to(tl.bfloat16)
 
     row = (b * HKV + hk).to(tl.int64) * S_MAX
+    k_base = k_ptr + row * HALF                            # uint8 codes (FP4) or int16 byte pairs (FP8)
+    v_base = v_ptr + row * HALF
     if IS_FP4:
-        k_base = k_ptr + row * HALF
-        v_base = v_ptr + row * HALF
         ks_base = ks_ptr + row * (D // 16)
         vs_base = vs_ptr + row * (D // 16)
     else:
-        k_base = k_ptr + row * D
-        v_base = v_ptr + row * D
         ks_base = ks_ptr
         vs_base = vs_ptr
     kg = tl.load(kg_ptr)
@@ -151,14 +151,14 @@ def _decode_attn_kernel(q_ptr, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, len
     for s0 in range(s_begin, s_end, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_mask = offs_s < s_end
-        k_ev, k_od = _load_kv_halves(k_base, offs_s, s_mask, ks_base, kg, HALF, IS_FP4, DOT_F32)
+        k_ev, k_od = _load_kv_halves(k_base, offs_s, s_mask, ks_base, kg, BLOCK_S, HALF, IS_FP4, DOT_F32)
         sc = _dot(q_ev, tl.trans(k_ev), DOT_F32) + _dot(q_od, tl.trans(k_od), DOT_F32)
         sc = tl.where(s_mask[None, :], sc * sm_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ev, v_od = _load_kv_halves(v_base, offs_s, s_mask, vs_base, vg, HALF, IS_FP4, DOT_F32)
+        v_ev, v_od = _load_kv_halves(v_base, offs_s, s_mask, vs_base, vg, BLOCK_S, HALF, IS_FP4, DOT_F32)
         pb = _to_bf16(p, DOT_F32)
         acc_ev = acc_ev * alpha[:, None] + _dot(pb, v_ev, DOT_F32)
         acc_od = acc_od * alpha[:, None] + _dot(pb, v_od, DOT_F32)
@@ -213,15 +213,19 @@ def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: 
     acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
     ml = torch.empty((bsz, hq, num_splits, 2), device=q.device, dtype=torch.float32)
     fp4 = k.fmt == "nvfp4"
+
     def u8(t):
         return t.view(torch.uint8)
+
+    def words(t):   # FP4: packed code bytes; FP8: int16 pairs of E4M3 bytes (little-endian: even element low)
+        return u8(t) if fp4 else t.view(torch.uint8).view(torch.int16)
 
     ks = u8(k.scales) if fp4 else k.global_scale
     vs = u8(v.scales) if fp4 else v.global_scale
     kg = k.global_scale.reshape(1).to(torch.float32)
     vg = v.global_scale.reshape(1).to(torch.float32)
     _decode_attn_kernel[(bsz, hkv, num_splits)](
-        qc, u8(k.data), ks, kg, u8(v.data), vs, vg, seq_lens.to(torch.int32).contiguous(), acc, ml,
+        qc, words(k.data), ks, kg, words(v.data), vs, vg, seq_lens.to(torch.int32).contiguous(), acc, ml,
         hq, hkv, s_max, s_per_split, sm_scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s,
         NUM_SPLITS=num_splits, IS_FP4=fp4, DOT_F32=INTERPRET, num_warps=4, num_stages=2)
