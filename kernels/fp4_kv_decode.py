@@ -189,7 +189,7 @@ def _combine_kernel(acc_ptr, ml_ptr, o_ptr, D: tl.constexpr, NUM_SPLITS: tl.cons
 
 def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: torch.Tensor,
                      sm_scale: Optional[float] = None, num_splits: Optional[int] = None,
-                     block_s: int = 64) -> torch.Tensor:
+                     block_s: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V per sequence over its first seq_lens[b] cached positions.
 
     q [B, H_q, D] (bf16); k, v from quantize_kv over [B, H_kv, S_max, D]; seq_lens int [B] (>= 1).
@@ -228,7 +228,7 @@ def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: 
         qc, words(k.data), ks, kg, words(v.data), vs, vg, seq_lens.to(torch.int32).contiguous(), acc, ml,
         hq, hkv, s_max, s_per_split, sm_scale,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s,
-        NUM_SPLITS=num_splits, IS_FP4=fp4, DOT_F32=INTERPRET, num_warps=4, num_stages=2)
+        NUM_SPLITS=num_splits, IS_FP4=fp4, DOT_F32=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty((bsz, hq, d), device=q.device, dtype=torch.bfloat16)
     _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=INTERPRET, num_warps=4)
     return out

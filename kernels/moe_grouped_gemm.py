@@ -90,12 +90,13 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
-                     OUT_SCALED: tl.constexpr):
+                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False):
     """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
     not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
     X_PRE: x is already the fp16 operand x * 2^-8; OUT_SCALED: store y * 2^-8 (fp16), the down
-    projection's ready-made operand."""
+    projection's ready-made operand. W_TMA: w_ptr is a TensorDescriptor over the [E, rows, K/2] codes with
+    block [1, BLOCK_N, BLOCK_K/2] (gate rows past N then read up rows, whose columns are never stored)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -118,10 +119,12 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     ks = tl.arange(0, SB)
 
     e64 = expert.to(tl.int64)
-    w_base = w_ptr + e64 * stride_we
     s_base = s_ptr + e64 * stride_se
     gs = tl.load(gs_ptr + expert)
-    w_rows = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+    if W_TMA:
+        w_rows = w_ptr
+    else:
+        w_rows = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
     s_rows = s_base + offs_n.to(tl.int64)[:, None] * stride_sn + ks[None, :]
     x_rows = x_ptr + x_row.to(tl.int64)[:, None] * stride_xm + k_lo[None, :]
     x_mask = valid[:, None]
@@ -129,19 +132,28 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if GATED:
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        wu_rows = w_rows + N.to(tl.int64) * stride_wn
+        if W_TMA:
+            wu_rows = w_ptr
+        else:
+            wu_rows = w_rows + N.to(tl.int64) * stride_wn
         su_rows = s_rows + N.to(tl.int64) * stride_sn
     for t in range(0, K // BLOCK_K):
         k0 = t * BLOCK_K
         x_lo = _prep_x(tl.load(x_rows + k0, mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
         x_hi = _prep_x(tl.load(x_rows + (k0 + 16), mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
-        b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
+        if W_TMA:
+            b = tl.reshape(w_rows.load([expert, pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
+        else:
+            b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
         sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
         w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
         acc = _mma(w_lo, x_lo, acc, True, DOT_F32)
         acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
         if GATED:
-            bu = tl.load(wu_rows + t * HALF, mask=n_mask[:, None], other=0)
+            if W_TMA:
+                bu = tl.reshape(wu_rows.load([expert, N + pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
+            else:
+                bu = tl.load(wu_rows + t * HALF, mask=n_mask[:, None], other=0)
             sbu = tl.load(su_rows + t * SB, mask=n_mask[:, None], other=0)
             u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
             acc_u = _mma(u_lo, x_lo, acc_u, True, DOT_F32)
@@ -178,6 +190,7 @@ class MoEConfig:
     asm: bool = True
     x_pre: bool = False       # fp16 path: convert the input once (gate/up); the intermediate is then fp16
     gemv: bool = False        # CUDA-core kernel (moe_gemv.py; NVFP4, block_m <= 2, block_k = K per step)
+    tma: bool = False         # tensor-core kernel: weight tiles through a TMA tensor descriptor
 
 
 # the CUDA-core path while routed experts average at most this many assignments (H200, E=128 top-8: at 2
@@ -204,7 +217,8 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)
     narrow_k = bm == 16 or (not gated and bm == 32)
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
-    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre)
+    # NVFP4 weight tiles by TMA: 1.08-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
+    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4")
 
 
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
@@ -222,14 +236,21 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     is_mx = w.fmt == "mxfp4"
     fp16 = cfg.fp16_dot and not is_mx
     grid = (routing.num_blocks, triton.cdiv(n, cfg.block_n))
+    q = w.qweight
+    use_tma = (cfg.tma and q.stride(2) == 1 and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0
+               and q.data_ptr() % 16 == 0 and (cfg.block_k // 2) % 16 == 0)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        q = TensorDescriptor.from_tensor(w.qweight, [1, cfg.block_n, cfg.block_k // 2])
     _moe_gemm_kernel[grid](
-        x, w.qweight, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,
+        x, q, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,
         topk_w if topk_w is not None else w.global_scale,
         n, k, routing.n_assign, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
         w.scales.stride(1), x.stride(0), y.stride(0), FP16_ACC_FACTOR,
         TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
-        X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16,
+        X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 

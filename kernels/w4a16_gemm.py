@@ -193,12 +193,15 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
                   IS_MX: tl.constexpr, FP16: tl.constexpr, SWAP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr,
-                  X_PRE: tl.constexpr, M_FAST: tl.constexpr = False):
+                  X_PRE: tl.constexpr, M_FAST: tl.constexpr = False, W_TMA: tl.constexpr = False):
     """REDUCE (SPLIT_K > 1 only): 1 = write fp32 partials to ws [SPLIT_K, M, N] for _splitk_reduce_kernel;
     2 = the last CTA of each output tile (counted in cnt_ptr, which it resets to 0) sums the partials in
     split order and writes y itself: one launch, still deterministic.
     M_FAST: program axis 0 walks M tiles, so the CTAs that share a weight tile run together and the
-    second and later reads of it hit L2 (large M)."""
+    second and later reads of it hit L2 (large M).
+    W_TMA: w_ptr is a TensorDescriptor over the [N, K/2] codes with block [BLOCK_N, BLOCK_K/2]: the weight
+    tiles arrive by the bulk tensor copy engine (no per-thread pointer tile held in registers; rows past N
+    read as zeros)."""
     if M_FAST:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -222,7 +225,10 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
     t_begin = pid_k * per_split
     t_end = tl.minimum(t_begin + per_split, k_tiles)
 
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+    if W_TMA:
+        w_rows = w_ptr
+    else:
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
     s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + ks[None, :]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_lo[None, :]
     gs = tl.load(gs_ptr)
@@ -233,7 +239,10 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t_begin, t_end):
         k0 = t * BLOCK_K
-        b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
+        if W_TMA:
+            b = w_rows.load([pid_n * BLOCK_N, t * HALF])
+        else:
+            b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
         sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
         x_lo = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0)
         x_hi = tl.load(x_rows + (k0 + 16), mask=m_mask[:, None], other=0.0)
@@ -304,12 +313,13 @@ class GemmConfig:
     asm: bool = True          # inline-PTX nibble decode (GPU); ignored under the interpreter
     x_pre: bool = False       # fp16 path: convert x once per call (pays off for large M) instead of per tile
     fused_reduce: bool = True  # split-K: last CTA per tile reduces (one launch) instead of a second kernel
+    tma: bool = False         # weight tiles through a TMA tensor descriptor instead of per-thread pointers
 
     def short(self) -> str:
         return (f"{'S' if self.swap else 'N'}{self.block_m}x{self.block_n}x{self.block_k}"
                 f"/sk{self.split_k}/w{self.num_warps}s{self.num_stages}/{'f16' if self.fp16_dot else 'bf16'}"
                 f"{'/asm' if self.asm else ''}{'/xpre' if self.x_pre else ''}"
-                f"{'/r2' if self.split_k > 1 and not self.fused_reduce else ''}")
+                f"{'/r2' if self.split_k > 1 and not self.fused_reduce else ''}{'/tma' if self.tma else ''}")
 
 
 NUM_SMS_DEFAULT = 132
@@ -342,7 +352,9 @@ def _num_sms(device) -> int:
 # Chosen on an H200 (docs/PERF.md "W4A16 GEMM kernels"); candidate_configs lists the alternatives timed.
 _SWAP_TABLE = {16: (16, 128, 128, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, False, 2),
                64: (64, 128, 128, 4, 3, False, 2)}
-# Large-M (M > 64) kernel: (BLOCK_M, BLOCK_N, BLOCK_K cap, warps, stages, x_pre).
+# NVFP4 overrides measured with TMA weight tiles (docs/PERF.md "TMA weight tiles"): same fields.
+_SWAP_TABLE_NVFP4_TMA = {16: (16, 128, 256, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, False, 2)}
+# Large-M (M > 64) kernel: (BLOCK_M, BLOCK_N, BLOCK_K cap, warps, stages, x_pre); NVFP4 takes TMA tiles.
 _LARGE = (64, 128, 128, 4, 3, True)
 
 
@@ -369,15 +381,17 @@ def dot_heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DE
     fp16 = fmt == "nvfp4"
     mb = m_bucket(m)
     if mb <= 64:
-        bm, bn, bk_cap, w, st, xpre, per_sm = _SWAP_TABLE[max(16, mb)]
+        tma = fp16 and max(16, mb) in _SWAP_TABLE_NVFP4_TMA
+        table = _SWAP_TABLE_NVFP4_TMA if tma else _SWAP_TABLE
+        bm, bn, bk_cap, w, st, xpre, per_sm = table[max(16, mb)]
         bk = _largest_block_k(k, bk_cap)
         split = split_k_for(triton.cdiv(n, bn), k // bk, sms, per_sm=per_sm)
-        return GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=xpre and fp16)
+        return GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=xpre and fp16, tma=tma)
     bm, bn, bk_cap, w, st, xpre = _LARGE
     bk = _largest_block_k(k, bk_cap)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = split_k_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
-    return GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=xpre and fp16)
+    return GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=xpre and fp16, tma=fp16)
 
 
 def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT) -> list:
@@ -413,6 +427,8 @@ def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAU
             tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
             split = split_k_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
             out.append(GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=fp16))
+    # the same tiles fed by TMA (weight codes only; scales and activations stay pointer loads)
+    out += [replace(c, tma=True) for c in out if isinstance(c, GemmConfig) and (c.block_k // 2) % 16 == 0]
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -486,16 +502,19 @@ def launch_w4a16(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GemmConfig, out: t
         x2 = xh
     common = dict(IS_MX=is_mx, FP16=fp16, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
-                  X_PRE=x_pre, M_FAST=m_fast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  X_PRE=x_pre, M_FAST=m_fast, W_TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    use_tma = cfg.tma and tma_compatible(qweight)   # a view the copy engine cannot address: pointer loads
+    w_arg = weight_descriptor(qweight, cfg.block_n, cfg.block_k // 2) if use_tma else qweight
+    common["W_TMA"] = use_tma
     if cfg.split_k == 1:
-        _w4a16_kernel[grid_mn + (1,)](x2, qweight, scales, gs, out, out, out, m, n, k, qweight.stride(-2),
+        _w4a16_kernel[grid_mn + (1,)](x2, w_arg, scales, gs, out, out, out, m, n, k, qweight.stride(-2),
                                      scales.stride(-2), x2.stride(0), out.stride(0), FP16_ACC_FACTOR,
                                      REDUCE=0, **common)
         return out
     ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32)
     reduce = 2 if cfg.fused_reduce else 1
     cnt = _tile_counters(x2.device, grid_mn[0] * grid_mn[1]) if reduce == 2 else ws
-    _w4a16_kernel[grid_mn + (cfg.split_k,)](x2, qweight, scales, gs, out, ws, cnt, m, n, k, qweight.stride(-2),
+    _w4a16_kernel[grid_mn + (cfg.split_k,)](x2, w_arg, scales, gs, out, ws, cnt, m, n, k, qweight.stride(-2),
                                            scales.stride(-2), x2.stride(0), out.stride(0), FP16_ACC_FACTOR,
                                            REDUCE=reduce, **common)
     if reduce == 1:
@@ -505,6 +524,24 @@ def launch_w4a16(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GemmConfig, out: t
         _splitk_reduce_kernel[(triton.cdiv(numel, 1024),)](ws, out, numel, SPLIT_K=cfg.split_k, BLOCK=1024,
                                                            RNE=INTERPRET, num_warps=4)
     return out
+
+
+def tma_compatible(qweight: torch.Tensor) -> bool:
+    """2D codes with unit inner stride and 16-byte aligned base and rows (what a TMA descriptor needs)."""
+    return (qweight.dim() == 2 and qweight.stride(1) == 1 and qweight.stride(0) % 16 == 0
+            and qweight.data_ptr() % 16 == 0)
+
+
+def weight_descriptor(qweight: torch.Tensor, rows: int, cols: int):
+    """TMA descriptor over 2D packed codes [N, K/2] with [rows, cols]-byte blocks. The bulk copy engine needs
+    a 16-byte aligned base and row stride and at least 16 bytes per block row."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not tma_compatible(qweight) or cols % 16:
+        raise ValueError(f"TMA weight tiles need 2D codes with unit inner stride, 16-byte aligned rows and "
+                         f"block width a multiple of 16 bytes (got shape {tuple(qweight.shape)}, strides "
+                         f"{qweight.stride()}, block {rows}x{cols}); use a config with tma=False")
+    return TensorDescriptor.from_tensor(qweight, [rows, cols])
 
 
 _COUNTERS: dict = {}

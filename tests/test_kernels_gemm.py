@@ -112,6 +112,8 @@ def test_dense_nvfp4_matches_reference(m, n, k):
     GemmConfig(16, 64, 64, split_k=4, fused_reduce=False),          # two-kernel split-K reduction
     GemmConfig(32, 64, 128, swap=False, x_pre=True),                # large-M orientation, x converted once
     GemmConfig(64, 64, 64, swap=False, split_k=2, fp16_dot=False),  # bf16 path, non-swapped, split-K
+    GemmConfig(16, 64, 64, split_k=2, tma=True),                    # TMA weight tiles, rows past N zero
+    GemmConfig(32, 64, 128, swap=False, x_pre=True, tma=True),      # TMA, large-M orientation
 ], ids=lambda c: c.short())
 def test_dense_config_variants(cfg):
     seed = _seed()
@@ -124,6 +126,14 @@ def test_dense_config_variants(cfg):
     assert _rel(y, w4a16_gemm_reference(x, w)) < DENSE_TOL, (seed, cfg.short())
     y2 = w4a16_gemm(x, w, config=cfg)
     assert torch.equal(y, y2), "split-K reduction must be deterministic"
+
+
+def test_tma_config_needs_aligned_codes():
+    gen = torch.Generator().manual_seed(_seed())
+    w = _weight("nvfp4", 64, 256, gen)
+    x = torch.randn(4, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="use a config with tma=False"):
+        w4a16_gemm(x, w, config=GemmConfig(16, 64, 16, tma=True))     # 8-byte block rows: below TMA's 16
 
 
 def test_dense_identity_reproduces_dequantized_weight():
@@ -269,6 +279,22 @@ def test_moe_block_m_32_and_bf16_path():
     tw, ids = tw.to(DEVICE), ids.to(DEVICE)
     cfg = MoEConfig(block_m=32, block_n=64, block_k=64, fp16_dot=False)
     y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=cfg, down_config=cfg)
+    assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
+
+
+def test_moe_tma_weight_tiles():
+    """TMA weight tiles: F not a multiple of block_n (gate tiles run into up rows, never stored)."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    e, h, f, k, t = 4, 128, 96, 2, 20
+    w13 = _experts("nvfp4", e, 2 * f, h, gen)
+    w2 = _experts("nvfp4", e, h, f, gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
+    tw, ids = torch.topk(torch.softmax(torch.randn(t, e, generator=gen), -1), k, dim=-1)
+    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    gu = MoEConfig(block_m=16, block_n=64, block_k=64, x_pre=True, tma=True)
+    dn = MoEConfig(block_m=16, block_n=64, block_k=32, tma=True)
+    y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
 
 

@@ -136,7 +136,9 @@ def moe_configs(moe, t, mode):
                 (replace(gu, block_n=128, num_warps=8), dn), (replace(gu, x_pre=not gu.x_pre), dn),
                 (gu, replace(dn, block_k=max(32, dn.block_k // 2))), (gu, replace(dn, num_stages=3)),
                 (gu, replace(dn, block_k=min(256, 2 * dn.block_k), num_stages=3)),
-                (gu, replace(dn, block_n=32)), (gu, replace(dn, block_n=128, num_warps=8))]
+                (gu, replace(dn, block_n=32)), (gu, replace(dn, block_n=128, num_warps=8)),
+                (replace(gu, tma=not gu.tma), replace(dn, tma=not dn.tma)), (replace(gu, tma=not gu.tma), dn),
+                (gu, replace(dn, tma=not dn.tma))]
     return list(dict.fromkeys(out))
 
 
@@ -385,8 +387,8 @@ def bench_moe(args, copy_bw, log):
                 rel_err(moe.moe_w4a16(x, w13q, w2q, ids, tw, gate_up_config=gu, down_config=dn), ref)),
                 float("inf"))
             name = (f"{'gemv ' if gu.gemv else ''}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
-                    f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''} dn {dn.block_n}x{dn.block_k}/w{dn.num_warps}"
-                    f"s{dn.num_stages}")
+                    f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''} dn {dn.block_n}x"
+                    f"{dn.block_k}/w{dn.num_warps}s{dn.num_stages}{'/tma' if dn.tma else ''}")
             if err > 2e-2:
                 results.append(dict(config=name, err=err, us=None))
                 log(f"  FAIL moe T={t} {name} rel_err={err:.3e}")
@@ -443,15 +445,24 @@ def bench_attention(args, copy_bw, log):
             err = safe(log, f"attn {fmt}", lambda: rel_err(att.decode_attention(q, k, v, lens),
                                                            att.decode_attention_reference(q, k, v, lens)),
                        float("inf"))
-            us = None
+            us, results = None, []
             if err < 2e-2:
-                us = safe(log, f"time attn {fmt}", lambda: graph_time_us(
-                    [lambda: att.decode_attention(q, k, v, lens)], args.rep_ms))
+                # (block_s, num_warps, num_stages); the first is decode_attention's default
+                variants = [(64, 4, 3)] + ([(32, 4, 2), (128, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 2)]
+                                           if args.configs == "all" else [])
+                for bs, nw, ns in variants:
+                    e2 = rel_err(att.decode_attention(q, k, v, lens, block_s=bs, num_warps=nw, num_stages=ns),
+                                 att.decode_attention_reference(q, k, v, lens))
+                    t = safe(log, f"time attn {fmt}", lambda: graph_time_us(
+                        [lambda: att.decode_attention(q, k, v, lens, block_s=bs, num_warps=nw, num_stages=ns)],
+                        args.rep_ms)) if e2 < 2e-2 else None
+                    results.append(dict(config=f"bs{bs}/w{nw}s{ns}", err=e2, us=t))
+                us = results[0]["us"]
             kv_bytes = 2 * (k.data.numel() * k.data.element_size()
                             + (k.scales.numel() if k.scales is not None else 0))
             row = dict(kind="attn", fmt=fmt, B=bsz, S=s, heads=f"{hq}/{hkv}", head_dim=d, bf16_us=t_bf16,
                        fp4_us=us, err=err, kv_bytes=kv_bytes, bf16_kv_bytes=2 * kx.numel() * 2, copy_gbs=copy_bw,
-                       best=dict(config="split-KV decode", err=err, us=us) if us else None)
+                       all=results, best=dict(config="split-KV decode (default)", err=err, us=us) if us else None)
             if us:
                 row["speedup"] = t_bf16 / us
                 row["fp4_gbs"] = kv_bytes / (us * 1e-6) / 1e9
