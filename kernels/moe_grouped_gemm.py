@@ -217,7 +217,7 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)
     narrow_k = bm == 16 or (not gated and bm == 32)
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
-    # NVFP4 weight tiles by TMA: 1.08-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
+    # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
     return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4")
 
 

@@ -354,7 +354,8 @@ _SWAP_TABLE = {16: (16, 128, 128, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, Fals
                64: (64, 128, 128, 4, 3, False, 2)}
 # NVFP4 overrides measured with TMA weight tiles (docs/PERF.md "TMA weight tiles"): same fields.
 _SWAP_TABLE_NVFP4_TMA = {16: (16, 128, 256, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, False, 2)}
-# Large-M (M > 64) kernel: (BLOCK_M, BLOCK_N, BLOCK_K cap, warps, stages, x_pre); NVFP4 takes TMA tiles.
+# Large-M (M > 64) kernel: (BLOCK_M, BLOCK_N, BLOCK_K cap, warps, stages, x_pre); NVFP4 at M <= 128 takes TMA
+# tiles.
 _LARGE = (64, 128, 128, 4, 3, True)
 
 
@@ -391,7 +392,8 @@ def dot_heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DE
     bk = _largest_block_k(k, bk_cap)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = split_k_for(tiles, k // bk, sms, cap=4) if tiles < sms else 1
-    return GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=xpre and fp16, tma=fp16)
+    # TMA weight tiles paid at M = 128 (1.04x) but not at 512 (1.2x slower there): docs/PERF.md
+    return GemmConfig(bm, bn, bk, split, w, st, False, fp16, x_pre=xpre and fp16, tma=fp16 and mb <= 128)
 
 
 def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT) -> list:
