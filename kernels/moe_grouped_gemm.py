@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .layouts import PreparedFP4Weight
-from .w4a16_gemm import FP16_ACC_FACTOR, INTERPRET, _cast_out, _dequant_tile, _mma, _prep_x
+from .w4a16_gemm import (FP16_ACC_FACTOR, INTERPRET, _cast_out, _dequant_tile, _mma, _prep_x, tma_compatible,
+                         weight_descriptor)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -236,13 +237,8 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     is_mx = w.fmt == "mxfp4"
     fp16 = cfg.fp16_dot and not is_mx
     grid = (routing.num_blocks, triton.cdiv(n, cfg.block_n))
-    q = w.qweight
-    use_tma = (cfg.tma and q.stride(2) == 1 and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0
-               and q.data_ptr() % 16 == 0 and (cfg.block_k // 2) % 16 == 0)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        q = TensorDescriptor.from_tensor(w.qweight, [1, cfg.block_n, cfg.block_k // 2])
+    use_tma = cfg.tma and tma_compatible(w.qweight) and (cfg.block_k // 2) % 16 == 0   # else pointer loads
+    q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if use_tma else w.qweight
     _moe_gemm_kernel[grid](
         x, q, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,
         topk_w if topk_w is not None else w.global_scale,

@@ -505,8 +505,8 @@ def launch_w4a16(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GemmConfig, out: t
     common = dict(IS_MX=is_mx, FP16=fp16, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
                   X_PRE=x_pre, M_FAST=m_fast, W_TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    use_tma = cfg.tma and tma_compatible(qweight)   # a view the copy engine cannot address: pointer loads
-    w_arg = weight_descriptor(qweight, cfg.block_n, cfg.block_k // 2) if use_tma else qweight
+    use_tma = cfg.tma and qweight.dim() == 2 and tma_compatible(qweight)   # else (a view TMA cannot address):
+    w_arg = weight_descriptor(qweight, [cfg.block_n, cfg.block_k // 2]) if use_tma else qweight   # pointers
     common["W_TMA"] = use_tma
     if cfg.split_k == 1:
         _w4a16_kernel[grid_mn + (1,)](x2, w_arg, scales, gs, out, out, out, m, n, k, qweight.stride(-2),
@@ -528,22 +528,23 @@ def launch_w4a16(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GemmConfig, out: t
     return out
 
 
-def tma_compatible(qweight: torch.Tensor) -> bool:
-    """2D codes with unit inner stride and 16-byte aligned base and rows (what a TMA descriptor needs)."""
-    return (qweight.dim() == 2 and qweight.stride(1) == 1 and qweight.stride(0) % 16 == 0
-            and qweight.data_ptr() % 16 == 0)
+def tma_compatible(codes: torch.Tensor) -> bool:
+    """Packed codes ([N, K/2] or an expert stack [E, N, K/2]) a TMA descriptor can address: unit inner
+    stride, 16-byte aligned base and outer strides."""
+    return (codes.stride(-1) == 1 and all(st % 16 == 0 for st in codes.stride()[:-1])
+            and codes.data_ptr() % 16 == 0)
 
 
-def weight_descriptor(qweight: torch.Tensor, rows: int, cols: int):
-    """TMA descriptor over 2D packed codes [N, K/2] with [rows, cols]-byte blocks. The bulk copy engine needs
-    a 16-byte aligned base and row stride and at least 16 bytes per block row."""
+def weight_descriptor(codes: torch.Tensor, block: list):
+    """TMA descriptor over packed codes with the given block shape (last entry in bytes, a multiple of 16:
+    the bulk copy engine moves at least 16 bytes per block row)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not tma_compatible(qweight) or cols % 16:
-        raise ValueError(f"TMA weight tiles need 2D codes with unit inner stride, 16-byte aligned rows and "
-                         f"block width a multiple of 16 bytes (got shape {tuple(qweight.shape)}, strides "
-                         f"{qweight.stride()}, block {rows}x{cols}); use a config with tma=False")
-    return TensorDescriptor.from_tensor(qweight, [rows, cols])
+    if not tma_compatible(codes) or block[-1] % 16:
+        raise ValueError(f"TMA weight tiles need codes with unit inner stride, 16-byte aligned base and rows "
+                         f"and a block width that is a multiple of 16 bytes (got shape {tuple(codes.shape)}, "
+                         f"strides {codes.stride()}, block {block}); use a config with tma=False")
+    return TensorDescriptor.from_tensor(codes, list(block))
 
 
 _COUNTERS: dict = {}
