@@ -14,9 +14,11 @@ are never stored.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from .w4a16_gemm import _to_bf16
 from .w4a16_gemv import (GEMV_ACC_FACTOR, _decode_words, _load_sw, _load_w, _scales_f32, _tile_dot,
                          _tile_int, _x_words)
 
@@ -48,15 +50,6 @@ def _rows_step(acc0, acc1, w_ptrs, s_ptrs, xw0, xw1, x0, x1, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _to_bf16_value(v, RNE: tl.constexpr):
-    """fp32 -> bf16 rounded to nearest even (the interpreter's cast truncates; the GPU's rounds)."""
-    if RNE:
-        b = v.to(tl.int32, bitcast=True)
-        v = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-    return v.to(tl.bfloat16)
-
-
-@triton.jit
 def _store_token(vg, vu, m: tl.constexpr, blk, assign, n_assign, offs_n, N, y_ptr, stride_ym, topk_w_ptr,
                  GATED: tl.constexpr, BLOCK_M: tl.constexpr, RNE: tl.constexpr):
     ok = offs_n < tl.where(assign < n_assign, N, 0)
@@ -66,7 +59,7 @@ def _store_token(vg, vu, m: tl.constexpr, blk, assign, n_assign, offs_n, N, y_pt
     else:
         out = vg * tl.load(topk_w_ptr + tl.minimum(assign, n_assign - 1)).to(tl.float32)
         row = assign.to(tl.int64)
-    tl.store(y_ptr + row * stride_ym + offs_n, _to_bf16_value(out, RNE), mask=ok)
+    tl.store(y_ptr + row * stride_ym + offs_n, _to_bf16(out, RNE), mask=ok)
 
 
 @triton.jit(do_not_specialize=["n_assign"])
@@ -149,7 +142,7 @@ def launch_moe_gemv(x, w, y, routing, topk_w, gated: bool, block_n: int, groups:
         if w.qweight.data_ptr() % 16 or w.qweight.stride(1) % 16 or w.scales.stride(1) % 2:
             raise ValueError("MoE GEMV: expert rows must be 16-byte aligned, scale rows 2-byte aligned")
         if x.data_ptr() % 16 or x.stride(0) % 8:
-            x = x.contiguous().clone()
+            x = x.clone(memory_format=torch.contiguous_format)   # 16-byte activation loads
     grid = (triton.cdiv(n, block_n), routing.num_blocks)
     _moe_gemv_kernel[grid](
         x, w.qweight, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,

@@ -352,8 +352,9 @@ def _num_sms(device) -> int:
 # Chosen on an H200 (docs/PERF.md "W4A16 GEMM kernels"); candidate_configs lists the alternatives timed.
 _SWAP_TABLE = {16: (16, 128, 128, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, False, 2),
                64: (64, 128, 128, 4, 3, False, 2)}
-# NVFP4 overrides measured with TMA weight tiles (docs/PERF.md "TMA weight tiles"): same fields.
-_SWAP_TABLE_NVFP4_TMA = {16: (16, 128, 256, 4, 4, False, 2), 32: (32, 128, 128, 4, 3, False, 2)}
+# NVFP4 buckets whose tiles take TMA weight loads -> their BLOCK_K cap with TMA (docs/PERF.md "Session of
+# 2026-11-30 evening")
+_SWAP_TMA_BLOCK_K_NVFP4 = {16: 256, 32: 128}
 # Large-M (M > 64) kernel: (BLOCK_M, BLOCK_N, BLOCK_K cap, warps, stages, x_pre); NVFP4 at M <= 128 takes TMA
 # tiles.
 _LARGE = (64, 128, 128, 4, 3, True)
@@ -382,10 +383,10 @@ def dot_heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DE
     fp16 = fmt == "nvfp4"
     mb = m_bucket(m)
     if mb <= 64:
-        tma = fp16 and max(16, mb) in _SWAP_TABLE_NVFP4_TMA
-        table = _SWAP_TABLE_NVFP4_TMA if tma else _SWAP_TABLE
-        bm, bn, bk_cap, w, st, xpre, per_sm = table[max(16, mb)]
-        bk = _largest_block_k(k, bk_cap)
+        bucket = max(16, mb)
+        bm, bn, bk_cap, w, st, xpre, per_sm = _SWAP_TABLE[bucket]
+        tma = fp16 and bucket in _SWAP_TMA_BLOCK_K_NVFP4
+        bk = _largest_block_k(k, _SWAP_TMA_BLOCK_K_NVFP4[bucket] if tma else bk_cap)
         split = split_k_for(triton.cdiv(n, bn), k // bk, sms, per_sm=per_sm)
         return GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=xpre and fp16, tma=tma)
     bm, bn, bk_cap, w, st, xpre = _LARGE
@@ -502,12 +503,11 @@ def launch_w4a16(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GemmConfig, out: t
         xh = torch.empty(x2.shape, device=x2.device, dtype=torch.float16)
         _x_to_f16_kernel[(triton.cdiv(x2.numel(), 2048),)](x2, xh, x2.numel(), BLOCK=2048, num_warps=4)
         x2 = xh
-    common = dict(IS_MX=is_mx, FP16=fp16, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
-                  X_PRE=x_pre, M_FAST=m_fast, W_TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     use_tma = cfg.tma and qweight.dim() == 2 and tma_compatible(qweight)   # else (a view TMA cannot address):
     w_arg = weight_descriptor(qweight, [cfg.block_n, cfg.block_k // 2]) if use_tma else qweight   # pointers
-    common["W_TMA"] = use_tma
+    common = dict(IS_MX=is_mx, FP16=fp16, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
+                  X_PRE=x_pre, M_FAST=m_fast, W_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k == 1:
         _w4a16_kernel[grid_mn + (1,)](x2, w_arg, scales, gs, out, out, out, m, n, k, qweight.stride(-2),
                                      scales.stride(-2), x2.stride(0), out.stride(0), FP16_ACC_FACTOR,

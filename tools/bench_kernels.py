@@ -442,22 +442,19 @@ def bench_attention(args, copy_bw, log):
         t_bf16 = safe(log, "sdpa", lambda: graph_time_us([sdpa], args.rep_ms), float("nan"))
         for fmt in ("nvfp4", "fp8"):
             k, v = att.quantize_kv(kx.float(), fmt), att.quantize_kv(vx.float(), fmt)
-            err = safe(log, f"attn {fmt}", lambda: rel_err(att.decode_attention(q, k, v, lens),
-                                                           att.decode_attention_reference(q, k, v, lens)),
-                       float("inf"))
-            us, results = None, []
-            if err < 2e-2:
-                # (block_s, num_warps, num_stages); the first is decode_attention's default
-                variants = [(64, 4, 3)] + ([(32, 4, 2), (128, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 2)]
-                                           if args.configs == "all" else [])
-                for bs, nw, ns in variants:
-                    e2 = rel_err(att.decode_attention(q, k, v, lens, block_s=bs, num_warps=nw, num_stages=ns),
-                                 att.decode_attention_reference(q, k, v, lens))
-                    t = safe(log, f"time attn {fmt}", lambda: graph_time_us(
-                        [lambda: att.decode_attention(q, k, v, lens, block_s=bs, num_warps=nw, num_stages=ns)],
-                        args.rep_ms)) if e2 < 2e-2 else None
-                    results.append(dict(config=f"bs{bs}/w{nw}s{ns}", err=e2, us=t))
-                us = results[0]["us"]
+            ref = att.decode_attention_reference(q, k, v, lens)
+            # (block_s, num_warps, num_stages); the first is decode_attention's default
+            variants = [(64, 4, 3)] + ([(32, 4, 2), (128, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 2)]
+                                       if args.configs == "all" else [])
+            results = []
+            for bs, nw, ns in variants:
+                def call(bs=bs, nw=nw, ns=ns):
+                    return att.decode_attention(q, k, v, lens, block_s=bs, num_warps=nw, num_stages=ns)
+
+                e2 = safe(log, f"attn {fmt} bs{bs}/w{nw}s{ns}", lambda: rel_err(call(), ref), float("inf"))
+                t = safe(log, f"time attn {fmt}", lambda: graph_time_us([call], args.rep_ms)) if e2 < 2e-2 else None
+                results.append(dict(config=f"bs{bs}/w{nw}s{ns}", err=e2, us=t))
+            err, us = results[0]["err"], results[0]["us"]
             kv_bytes = 2 * (k.data.numel() * k.data.element_size()
                             + (k.scales.numel() if k.scales is not None else 0))
             row = dict(kind="attn", fmt=fmt, B=bsz, S=s, heads=f"{hq}/{hkv}", head_dim=d, bf16_us=t_bf16,
