@@ -64,6 +64,19 @@ def _experts(fmt, e, n, k, gen):
     return prepare_mxfp4_weight(torch.stack([a[0] for a in q]), torch.stack([a[1] for a in q]))
 
 
+def _moe_case(fmt, e, h, f, k, t, gen, favour_expert0=False):
+    """Expert stacks w13 [E, 2F, H] and w2 [E, H, F], activations [T, H] and a top-k softmax routing
+    (favour_expert0: expert 0 takes most tokens)."""
+    w13 = _experts(fmt, e, 2 * f, h, gen)
+    w2 = _experts(fmt, e, h, f, gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
+    logits = torch.randn(t, e, generator=gen)
+    if favour_expert0:
+        logits[:, 0] += 4.0
+    tw, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return w13, w2, x, ids.to(DEVICE), tw.to(DEVICE)
+
+
 # ------------------------------------------------------------------------------------------------
 # Layouts
 # ------------------------------------------------------------------------------------------------
@@ -257,12 +270,7 @@ def test_moe_matches_per_expert_reference(fmt, t):
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     e, h, f, k = 4, 128, 64, 2
-    w13 = _experts(fmt, e, 2 * f, h, gen)
-    w2 = _experts(fmt, e, h, f, gen)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
-    probs = torch.softmax(torch.randn(t, e, generator=gen), -1)
-    tw, ids = torch.topk(probs, k, dim=-1)
-    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    w13, w2, x, ids, tw = _moe_case(fmt, e, h, f, k, t, gen)
     y = moe_w4a16(x, w13, w2, ids, tw)
     assert y.shape == (t, h) and y.dtype == torch.bfloat16
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
@@ -271,12 +279,7 @@ def test_moe_matches_per_expert_reference(fmt, t):
 def test_moe_block_m_32_and_bf16_path():
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    e, h, f, k, t = 4, 64, 64, 2, 20
-    w13 = _experts("nvfp4", e, 2 * f, h, gen)
-    w2 = _experts("nvfp4", e, h, f, gen)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
-    tw, ids = torch.topk(torch.softmax(torch.randn(t, e, generator=gen), -1), k, dim=-1)
-    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    w13, w2, x, ids, tw = _moe_case("nvfp4", 4, 64, 64, 2, 20, gen)
     cfg = MoEConfig(block_m=32, block_n=64, block_k=64, fp16_dot=False)
     y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=cfg, down_config=cfg)
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
@@ -286,12 +289,7 @@ def test_moe_tma_weight_tiles():
     """TMA weight tiles: F not a multiple of block_n (gate tiles run into up rows, never stored)."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    e, h, f, k, t = 4, 128, 96, 2, 20
-    w13 = _experts("nvfp4", e, 2 * f, h, gen)
-    w2 = _experts("nvfp4", e, h, f, gen)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
-    tw, ids = torch.topk(torch.softmax(torch.randn(t, e, generator=gen), -1), k, dim=-1)
-    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    w13, w2, x, ids, tw = _moe_case("nvfp4", 4, 128, 96, 2, 20, gen)
     gu = MoEConfig(block_m=16, block_n=64, block_k=64, x_pre=True, tma=True)
     dn = MoEConfig(block_m=16, block_n=64, block_k=32, tma=True)
     y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
@@ -304,14 +302,8 @@ def test_moe_gemv_matches_per_expert_reference(block_m, block_n, block_k):
     of block_n (masked columns), K steps of 64-256; both projections on the GEMV."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    e, h, f, k, t = 6, 256, 96, 2, 5
-    w13 = _experts("nvfp4", e, 2 * f, h, gen)
-    w2 = _experts("nvfp4", e, h, f, gen)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEVICE)
-    logits = torch.randn(t, e, generator=gen)
-    logits[:, 0] += 4.0                                    # expert 0 takes most tokens
-    tw, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-    tw, ids = tw.to(DEVICE), ids.to(DEVICE)
+    e, h, f, k = 6, 256, 96, 2
+    w13, w2, x, ids, tw = _moe_case("nvfp4", e, h, f, k, 5, gen, favour_expert0=True)
     gu = MoEConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=1, gemv=True)
     dn = MoEConfig(block_m=block_m, block_n=block_n, block_k=32, num_stages=1, gemv=True)   # K = F = 96
     y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
