@@ -8,15 +8,13 @@
 - the converted checkpoint loads at TP=2 (2 gloo ranks) with the single-process log-probs.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch_ranks import torchrun_cmd
+from launch_ranks import run_ranks
 
 # fp32 everywhere. HF and Megatron compute the same function with different kernels: RoPE's cos/sin
 # (HF builds them per call from position ids, Megatron caches its frequency table), attention (eager
@@ -215,10 +213,7 @@ def test_loads_at_tp2(converted, trainer, tmp_path):
     batch = {"tokens": tokens()}
     reference = trainer.logprobs(batch)
     out = tmp_path / "tp2.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    cmd = torchrun_cmd(2, __file__, str(converted[2]), str(out))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_ranks(2, __file__, converted[2], out, timeout=300)
     diff = (torch.load(out) - reference).abs().max().item()
     print(f"TP=2 vs one process, max |log-prob diff|: {diff:.2e}")
     assert diff < LOGP_ATOL_TP2

@@ -17,7 +17,7 @@ import torch
 
 from megatron_qrl.config import ConfigError, load_config
 
-from launch_ranks import torchrun_cmd
+from launch_ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).parent / "dist"
@@ -162,10 +162,7 @@ def test_config_cross_checks(overrides, needle):
 
 
 def _torchrun(nproc: int, *args) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    cmd = torchrun_cmd(nproc, str(DIST / "lora_tp.py"), *map(str, args))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    run_ranks(nproc, DIST / "lora_tp.py", *args, timeout=600)
 
 
 def test_tensor_parallel_2_matches_one_process(tmp_path):

@@ -6,14 +6,12 @@ TP=2 -> TP=1 checkpoint reload (tests/dist/mcore_layouts.py). Tolerances (fp32 o
 tests/dist/mcore_common.py and explained where they are asserted.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch_ranks import torchrun_cmd
+from launch_ranks import run_ranks
 
 DIST = Path(__file__).parent / "dist"
 sys.path.insert(0, str(DIST))
@@ -32,10 +30,7 @@ LOGP_AFTER_UPDATES_MEAN = 2e-3
 
 
 def _torchrun(nproc: int, script: str, *args, timeout: int = 300) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    cmd = torchrun_cmd(nproc, str(DIST / script), *map(str, args))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    run_ranks(nproc, DIST / script, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,11 @@
 """Data-parallel RL statistics (2 gloo ranks via torchrun) equal the single-process result."""
 import importlib.util
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch_ranks import torchrun_cmd
+from launch_ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_ais_dp.py"
 
@@ -23,10 +21,7 @@ def _load_script():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_dp") / "result"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = torchrun_cmd(2, str(SCRIPT), str(out))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_ranks(2, SCRIPT, out, timeout=120)
     return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
 
 

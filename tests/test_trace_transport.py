@@ -1,6 +1,4 @@
 """TRACE transport: shard specs (DP/EP/TP/PP) locally, and two gloo ranks through torchrun."""
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,7 +8,7 @@ from megatron_qrl.trace import (EntryKey, ShardSpec, TraceCache, TraceMetrics, d
                                 megatron_ep_group, select)
 from megatron_qrl.trace.synthetic import make_rollout
 
-from launch_ranks import torchrun_cmd
+from launch_ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "dist" / "trace_transport.py"
 
@@ -103,11 +101,7 @@ def test_colocated_mode_slices_locally(cache):
 
 
 def test_two_gloo_ranks_disaggregated_ep_and_tp():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = torchrun_cmd(2, str(SCRIPT))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_ranks(2, SCRIPT, timeout=180)
     for rank in (0, 1):
         for case in ("case_disaggregated", "case_expert_parallel", "case_tensor_parallel"):
             assert f"rank {rank}: {case} ok" in out

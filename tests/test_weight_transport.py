@@ -1,6 +1,4 @@
 """Bucketed weight broadcast (pipeline/weight_transport.py): the manifest's layout, and 3 gloo ranks."""
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,7 +7,7 @@ import torch
 from megatron_qrl.pipeline.weight_transport import ALIGN, bucket_sizes, manifest
 from megatron_qrl.rollout.weights import pack_weight
 
-from launch_ranks import torchrun_cmd
+from launch_ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "dist" / "weight_transport.py"
 
@@ -30,10 +28,6 @@ def test_manifest_aligns_parts_and_splits_buckets():
 
 
 def test_three_gloo_ranks_receive_the_sent_bytes():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = torchrun_cmd(3, str(SCRIPT))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_ranks(3, SCRIPT, timeout=180)
     for rank in range(3):
         assert f"WEIGHT TRANSPORT OK rank {rank}" in out
