@@ -32,6 +32,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _part_nbytes(dtype: str, shape: tuple) -> int:
+    """Bytes of a manifest part (dtype name without "torch.", shape)."""
+    return int(torch.Size(shape).numel()) * getattr(torch, dtype).itemsize
+
+
 def manifest(weights: dict[str, Payload], bucket_bytes: int = BUCKET_BYTES) -> list[dict]:
     """Per payload: name, FP4 format (None for a plain tensor) and its parts' (dtype, shape, bucket, offset).
     Parts fill buckets in order; a part larger than bucket_bytes gets a bucket of its own."""
@@ -53,8 +58,7 @@ def bucket_sizes(spec: list[dict]) -> list[int]:
     sizes: dict[int, int] = {}
     for entry in spec:
         for dtype, shape, bucket, offset in entry["parts"]:
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            sizes[bucket] = max(sizes.get(bucket, 0), offset + n)
+            sizes[bucket] = max(sizes.get(bucket, 0), offset + _part_nbytes(dtype, shape))
     return [sizes[b] for b in range(len(sizes))]
 
 
@@ -62,9 +66,10 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _filled_buckets(weights: dict[str, Payload], spec: list[dict], device):
-    """The buckets of `spec`, filled from `weights`, one at a time (so one bucket of extra memory)."""
-    sizes = bucket_sizes(spec)
+def _filled_buckets(weights: dict[str, Payload], spec: list[dict], device, sizes: Optional[list[int]] = None):
+    """The buckets of `spec`, filled from `weights`, one at a time (so one bucket of extra memory); `sizes`
+    may pad them (bytes past the parts are left unset)."""
+    sizes = sizes or bucket_sizes(spec)
     fills: list[list[tuple[int, torch.Tensor]]] = [[] for _ in sizes]
     for entry in spec:
         _, parts = _parts(weights[entry["name"]])
@@ -84,9 +89,8 @@ def _unpack(spec: list[dict], buckets: list[torch.Tensor]) -> dict[str, Payload]
     for entry in spec:
         parts = []
         for dtype, shape, bucket, offset in entry["parts"]:
-            dt = getattr(torch, dtype)
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            parts.append(buckets[bucket][offset:offset + n].view(dt).reshape(shape))
+            n = _part_nbytes(dtype, shape)
+            parts.append(buckets[bucket][offset:offset + n].view(getattr(torch, dtype)).reshape(shape))
         out[entry["name"]] = FP4Tensor(entry["format"], *parts) if entry["format"] is not None else parts[0]
     return out
 
@@ -117,9 +121,7 @@ def all_gather_tensors(local: dict[str, torch.Tensor], group, device) -> dict[st
     specs: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(specs, spec, group=group)
     size = max([sum(bucket_sizes(s)) for s in specs] + [1])
-    mine = next(_filled_buckets(local, spec, device), torch.empty(0, dtype=torch.uint8, device=device))
-    buf = torch.zeros(size, dtype=torch.uint8, device=device)
-    buf[:mine.numel()].copy_(mine)
+    buf = next(_filled_buckets(local, spec, device, sizes=[size]))   # one bucket, padded to the largest
     parts = [torch.empty(size, dtype=torch.uint8, device=device) for _ in specs]
     dist.all_gather(parts, buf, group=group)
     out: dict[str, torch.Tensor] = {}
