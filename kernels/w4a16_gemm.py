@@ -27,12 +27,13 @@ the weights. Split-K spreads K over more CTAs when N alone cannot fill 132 SMs; 
 of each output tile sums the fp32 partials in split order (one launch, deterministic, no atomics on the
 data). Large M runs the classic orientation with x converted once per call (x_pre).
 
-NVFP4 at M <= 2 goes to the CUDA-core split-K GEMV of w4a16_gemv.py instead (no tensor cores; faster there,
-slower from M = 4 on: docs/PERF.md).
+NVFP4 at small M goes to one of two GEMVs instead (docs/PERF.md): M = 1 to the CUDA-core split-K GEMV of
+w4a16_gemv.py (no tensor cores), M = 2..8 to the register-fragment MMA GEMV of w4a16_mma_gemv.py (mma.sync
+on weights decoded straight into A fragments, one MMA for up to 8 tokens).
 
-Config choice: `heuristic_config` (sm_90 table measured on an H200, docs/PERF.md; a GemvConfig or a
-GemmConfig), or a one-time timing of `candidate_configs` (both kinds) per (format, M bucket, N, K) under CUDA
-graphs (`QRL_W4A16_AUTOTUNE=1` or `autotune=True`), cached per process.
+Config choice: `heuristic_config` (sm_90 table measured on an H200, docs/PERF.md; a GemvConfig, an
+MmaGemvConfig or a GemmConfig), or a one-time timing of `candidate_configs` (all kinds) per (format, M bucket,
+N, K) under CUDA graphs (`QRL_W4A16_AUTOTUNE=1` or `autotune=True`), cached per process.
 
 Interpreter: under TRITON_INTERPRET=1 (set it before the kernels are imported) the dots run in fp32 and
 bf16 casts round with integer arithmetic (the CPU interpreter's bf16 tl.dot is wrong and its float->bf16
@@ -52,6 +53,8 @@ import triton.language as tl
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
 from .tiling import split_k_for
 from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
+from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_gemv, mma_gemv_candidates,
+                             mma_gemv_supported)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -360,21 +363,24 @@ _SWAP_TMA_BLOCK_K_NVFP4 = {16: 256, 32: 128}
 _LARGE = (64, 128, 128, 4, 3, True)
 
 
-# Small-M dispatch (NVFP4): GEMV bucket -> GEMV variant (block_n, groups, CTAs per SM, prefetch), or None for
-# the tensor-core kernel. Measured on an H200 (docs/PERF.md "W4A16 GEMM kernels"): the GEMV is faster at
-# M = 1 (1.3-1.45x) and at M = 2 for K=4096 N=14336 (1.09x; a tie at K=7168 N=4096); from M = 4 on the
-# tensor-core kernel is faster (1.6-4.5x), so M >= 3 keeps it.
-_GEMV_TABLE = {1: (64, 8, 8, False), 2: (64, 8, 8, True), 4: None, 8: None, 16: None}
+# Small-M dispatch (NVFP4), by GEMV bucket (docs/PERF.md "W4A16 GEMM kernels", H200):
+# - M = 1: the CUDA-core GEMV (_GEMV_TABLE: block_n, groups, CTAs per SM, prefetch); 1.06-1.15x faster than
+#   the register-fragment MMA GEMV there.
+# - M = 2..8: the register-fragment MMA GEMV (w4a16_mma_gemv.py): 1.07-1.2x faster than the CUDA-core GEMV at
+#   M = 2 and than the wgmma kernel at M = 3..8.
+# - M = 9..16 and up: the wgmma kernel (the MMA GEMV was 1-5% slower at M = 16).
+_GEMV_TABLE = {1: (64, 8, 8, False)}
+_MMA_GEMV_BUCKETS = (2, 4, 8)
 
 
 def heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT):
-    """The default kernel for (fmt, M, N, K): the CUDA-core GEMV (GemvConfig) for NVFP4 where _GEMV_TABLE
-    names one for M's bucket, else the tensor-core kernel (GemmConfig, `dot_heuristic_config`)."""
-    if gemv_supported(fmt, m, k):
-        v = _GEMV_TABLE.get(gemv_bucket(m))
-        if v is not None:
-            bn, g, per_sm, pf = v
-            return make_gemv_config(m, n, k, sms, bn, g, per_sm, prefetch=pf)
+    """The default kernel for (fmt, M, N, K): for NVFP4 at small M one of the two GEMVs (a GemvConfig or an
+    MmaGemvConfig, see above), else the wgmma kernel (GemmConfig, `dot_heuristic_config`)."""
+    if gemv_supported(fmt, m, k) and gemv_bucket(m) in _GEMV_TABLE:
+        bn, g, per_sm, pf = _GEMV_TABLE[gemv_bucket(m)]
+        return make_gemv_config(m, n, k, sms, bn, g, per_sm, prefetch=pf)
+    if mma_gemv_supported(fmt, m, k) and gemv_bucket(m) in _MMA_GEMV_BUCKETS:
+        return default_mma_gemv_config(m, n, k, sms)
     return dot_heuristic_config(fmt, m, n, k, sms)
 
 
@@ -399,12 +405,14 @@ def dot_heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DE
 
 def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAULT) -> list:
     """A few configs per M bucket that the on-device autotuner times (the heuristic one first): tensor-core
-    configs, plus the GEMV variants for NVFP4 at M <= 16."""
+    configs, plus the variants of both GEMVs for NVFP4 at M <= 16."""
     fp16 = fmt == "nvfp4"
     mb = m_bucket(m)
     out = [heuristic_config(fmt, m, n, k, sms), dot_heuristic_config(fmt, m, n, k, sms)]
     if gemv_supported(fmt, m, k):
         out += gemv_candidates(m, n, k, sms)
+    if mma_gemv_supported(fmt, m, k):
+        out += mma_gemv_candidates(m, n, k, sms)
     if mb <= 64:
         bm = max(16, mb)
         # (BLOCK_N, BLOCK_K cap, warps, stages, x_pre, CTAs per SM)
@@ -571,11 +579,19 @@ def select_config(w: PreparedFP4Weight, m: int, device, autotune: Optional[bool]
     if cfg is None:
         tmp = torch.empty((m, w.n), device=device, dtype=torch.bfloat16)
         cfg = _tune(key, candidate_configs(w.fmt, m, w.n, w.k, sms),
-                    lambda c: (launch_gemv(x2, w, c, tmp) if isinstance(c, GemvConfig)
-                               else launch_w4a16(x2, w, c, tmp)))
+                    lambda c: _launch(x2, w, c, tmp))
         if cfg is None:
             raise RuntimeError(f"no W4A16 config ran for M={m} N={w.n} K={w.k}")
     return cfg
+
+
+def _launch(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tensor) -> torch.Tensor:
+    """Run a config of any of the three dense kernels."""
+    if isinstance(cfg, GemvConfig):
+        return launch_gemv(x2, w, cfg, out, interpret=INTERPRET)
+    if isinstance(cfg, MmaGemvConfig):
+        return launch_mma_gemv(x2, w, cfg, out, interpret=INTERPRET)
+    return launch_w4a16(x2, w, cfg, out)
 
 
 def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Tensor] = None,
@@ -603,17 +619,14 @@ def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Ten
     if m == 0:
         return out.reshape(*lead, w.n).to(x.dtype)
     cfg = config or select_config(w, m, x.device, autotune, x2)
-    if isinstance(cfg, GemvConfig):
-        if not out.is_contiguous() and out.stride(-1) != 1:
-            raise ValueError("the GEMV kernel needs an output with unit inner stride")
-        launch_gemv(x2, w, cfg, out, interpret=INTERPRET)
-        y = out.reshape(*lead, w.n)
-        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
-    if w.fmt == "mxfp4" and cfg.fp16_dot:
-        cfg = replace(cfg, fp16_dot=False)
-    if w.k % cfg.block_k:
-        raise ValueError(f"config block_k={cfg.block_k} does not divide K={w.k}")
-    launch_w4a16(x2, w, cfg, out)
+    if isinstance(cfg, (GemvConfig, MmaGemvConfig)) and out.stride(-1) != 1:
+        raise ValueError("the GEMV kernels need an output with unit inner stride")
+    if isinstance(cfg, GemmConfig):
+        if w.fmt == "mxfp4" and cfg.fp16_dot:
+            cfg = replace(cfg, fp16_dot=False)
+        if w.k % cfg.block_k:
+            raise ValueError(f"config block_k={cfg.block_k} does not divide K={w.k}")
+    _launch(x2, w, cfg, out)
     y = out.reshape(*lead, w.n)
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 

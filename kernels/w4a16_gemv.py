@@ -4,10 +4,10 @@ The tensor-core kernel (w4a16_gemm.py) is issue-latency bound at decode sizes (d
 registers, 2 CTAs per SM, wgmma fences. This kernel uses no tl.dot: many small CTAs (128 threads, 66
 registers at M = 1 in a Triton 3.9 sm_90 build, 7 CTAs per SM), 16-byte weight loads straight into
 registers, and per weight ~1.25 integer instructions of decode plus half an fp16x2 FMA per token (2.9 SASS
-instructions per weight in the M = 1 loop in all, ~6.7 at M = 4). On an H200 it is the default at M <= 2
-(w4a16_gemm._GEMV_TABLE): M = 1 runs 1.3-1.45x faster than the tensor-core kernel; from M = 4 on it is
-slower (the per-token activation conversion and FMA chains grow with M while the tensor-core kernel's
-cost does not).
+instructions per weight in the M = 1 loop in all, ~6.7 at M = 4). On an H200 it is the default at M = 1
+(w4a16_gemm._GEMV_TABLE): 1.3-1.45x faster than the wgmma kernel and 1.06-1.15x faster than the
+register-fragment MMA GEMV (w4a16_mma_gemv.py), which takes M = 2..8 because this kernel's per-token work
+grows with M.
 
 Layout: the one `layouts.prepare_nvfp4_weight` builds (no second copy). A 16-byte group holds 32 codes;
 its 32-bit word q (bytes 4q..4q+3) holds the low elements 4q..4q+3 (scale block 2g) and the high elements
@@ -415,8 +415,8 @@ def make_gemv_config(m: int, n: int, k: int, sms: int = 132, block_n: int = 64, 
 
 
 # GEMV variants the autotuner times per small-M bucket: (block_n, groups, CTAs per SM, prefetch). The first
-# of buckets 1 and 2 is the default (w4a16_gemm._GEMV_TABLE); at M >= 4 the tensor-core kernel was faster in
-# every measurement (docs/PERF.md), so buckets 4 and 8 keep one variant each and bucket 16 none.
+# of bucket 1 is the default (w4a16_gemm._GEMV_TABLE); at M >= 2 other kernels were faster in every
+# measurement (docs/PERF.md), so buckets 2-8 keep a few variants and bucket 16 none.
 GEMV_VARIANTS = {
     1: [(64, 8, 8, False), (128, 8, 8, False), (32, 8, 16, False), (64, 8, 8, True)],
     2: [(64, 8, 8, True), (64, 8, 8, False), (128, 8, 8, False)],

@@ -30,6 +30,7 @@ from megatron_qrl.kernels.moe_grouped_gemm import (MoEConfig, heuristic_moe_conf
 from megatron_qrl.kernels.w4a16_gemm import (GemmConfig, candidate_configs, dot_heuristic_config,  # noqa: E402
                                              heuristic_config, w4a16_gemm, w4a16_gemm_reference)
 from megatron_qrl.kernels.w4a16_gemv import GemvConfig  # noqa: E402
+from megatron_qrl.kernels.w4a16_mma_gemv import MmaGemvConfig, launch_mma_gemv  # noqa: E402
 from megatron_qrl.quant import mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 
 DENSE_TOL = 1e-2
@@ -187,9 +188,14 @@ def test_gemv_matches_reference(m, n, k, cfg):
 
 
 def test_gemv_is_the_default_for_small_m_and_exact_on_identity():
-    """Dispatch: NVFP4 at small M goes to the GEMV (GemvConfig) and larger M to the tensor-core kernel;
-    x = rows of I reproduce the dequantized weight (fp16 products of exact codes, one bf16 rounding)."""
+    """Dispatch: NVFP4 at M = 1 goes to the CUDA-core GEMV (GemvConfig), M = 2..8 to the MMA GEMV when
+    K % 128 == 0, larger M (and MXFP4) to the wgmma kernel; x = rows of I reproduce the dequantized weight
+    (fp16 products of exact codes, one bf16 rounding)."""
     assert isinstance(heuristic_config("nvfp4", 1, 14336, 4096), GemvConfig)
+    for m in (2, 3, 8):
+        assert isinstance(heuristic_config("nvfp4", m, 14336, 4096), MmaGemvConfig)
+    assert isinstance(heuristic_config("nvfp4", 2, 64, 96), GemmConfig)          # K % 128 != 0
+    assert isinstance(heuristic_config("nvfp4", 9, 14336, 4096), GemmConfig)
     assert isinstance(heuristic_config("nvfp4", 128, 14336, 4096), GemmConfig)
     assert isinstance(heuristic_config("mxfp4", 1, 14336, 4096), GemmConfig)
     assert any(isinstance(c, GemvConfig) for c in candidate_configs("nvfp4", 4, 4096, 7168))
@@ -218,6 +224,67 @@ if DEVICE == "cuda":
         ref = w4a16_gemm_reference(x, w)
         for cfg in [heuristic_config("nvfp4", m, n, k)] + [c for c in candidate_configs("nvfp4", m, n, k)
                                                           if isinstance(c, GemvConfig)]:
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+            y = w4a16_gemm(x, w, out=out, config=cfg)
+            assert _rel(y, ref) < DENSE_TOL, (seed, m, cfg.short(), _rel(y, ref))
+
+
+# ------------------------------------------------------------------------------------------------
+# Small-M register-fragment MMA GEMV (w4a16_mma_gemv.py): interpreter = per-lane dot products over the same
+# step assignment and reductions, GPU = inline PTX decode + mma.sync
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (1, 40, 256, MmaGemvConfig(row_tiles=1, num_warps=2)),                # N % 16, rows past N masked
+    (3, 64, 512, MmaGemvConfig(row_tiles=2, num_warps=2, split_k=2)),     # fused split-K, 32-row blocks
+    (11, 48, 384, MmaGemvConfig(row_tiles=1, num_warps=4, split_k=3)),    # two token tiles, idle warps
+    (16, 33, 256, MmaGemvConfig(row_tiles=2, num_warps=1)),               # M = 16, a partial row block
+    (8, 32, 1024, MmaGemvConfig(row_tiles=1, num_warps=8, split_k=2)),    # 8 warps, cross-warp sums
+], ids=lambda v: v.short() if isinstance(v, MmaGemvConfig) else str(v))
+def test_mma_gemv_matches_reference(m, n, k, cfg):
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poison
+    y = w4a16_gemm(x, w, out=out, config=cfg)
+    ref = w4a16_gemm_reference(x, w)
+    assert _rel(y, ref) < DENSE_TOL, (seed, cfg.short(), _rel(y, ref))
+    assert torch.equal(y, w4a16_gemm(x, w, config=cfg)), "MMA GEMV split-K reduction must be deterministic"
+
+
+def test_mma_gemv_exact_on_identity_and_refuses_bad_shapes():
+    """x = rows of I give the dequantized weight rows (exact fp16 products, fp32 sums, one bf16 rounding);
+    M > 16 and K % 128 != 0 are refused with the alternative named."""
+    gen = torch.Generator().manual_seed(_seed())
+    k, n = 256, 48
+    w = _weight("nvfp4", n, k, gen, scale=0.3)
+    wd = dequantize_prepared(w, torch.float32)
+    pick = [0, 17, 40, 127, 130, 255]                       # low and high elements of several groups and steps
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)[pick]
+    y = w4a16_gemm(eye, w, config=MmaGemvConfig(row_tiles=2, num_warps=2, split_k=2))
+    ref = wd.t()[pick].to(torch.bfloat16)
+    assert torch.allclose(y.float(), ref.float(), rtol=2.0 ** -7, atol=0)
+    out = torch.empty(17, n, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="M = 1..16"):
+        launch_mma_gemv(torch.zeros(17, k, dtype=torch.bfloat16, device=DEVICE), w, MmaGemvConfig(), out)
+    w96 = _weight("nvfp4", n, 96, gen)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        launch_mma_gemv(torch.zeros(1, 96, dtype=torch.bfloat16, device=DEVICE), w96, MmaGemvConfig(), out[:1])
+    assert any(isinstance(c, MmaGemvConfig) for c in candidate_configs("nvfp4", 4, 4096, 7168))
+    assert not any(isinstance(c, MmaGemvConfig) for c in candidate_configs("mxfp4", 4, 4096, 7168))
+
+
+if DEVICE == "cuda":
+    @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16])
+    @pytest.mark.parametrize("k,n", [(4096, 14336), (7168, 4096)])
+    def test_mma_gemv_bench_shapes_gpu(k, n, m):
+        """Every MMA GEMV variant the autotuner may pick, at the bench shapes, fresh random inputs."""
+        seed = _seed()
+        gen = torch.Generator().manual_seed(seed)
+        w = _weight("nvfp4", n, k, gen)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+        ref = w4a16_gemm_reference(x, w)
+        for cfg in [c for c in candidate_configs("nvfp4", m, n, k) if isinstance(c, MmaGemvConfig)]:
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
             y = w4a16_gemm(x, w, out=out, config=cfg)
             assert _rel(y, ref) < DENSE_TOL, (seed, m, cfg.short(), _rel(y, ref))

@@ -89,6 +89,39 @@ def copy_bandwidth_gbs():
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def _read_kernel():
+    """A Triton streaming read (16-byte vector loads, one partial sum per program): the cost of reading a
+    byte count with no math at all, the floor under any kernel that must read those bytes."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_all(p, out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(p + offs, mask=offs < n, other=0, cache_modifier=".cg")
+        tl.store(out + tl.program_id(0), tl.sum(v, axis=0))
+
+    def run(buf, out, block):
+        read_all[(triton.cdiv(buf.numel(), block),)](buf, out, buf.numel(), BLOCK=block, num_warps=8)
+    return run
+
+
+def read_roofline_us(nbytes, k, copies, rep_ms):
+    """(fastest Triton streaming read of nbytes, cuBLAS bf16 GEMV at M = 1 over a bf16 weight of the same
+    byte count [nbytes / 2K, K]), per layer, timed like the kernels (CUDA graph over `copies` buffers)."""
+    if DEV == "cpu":
+        return float("nan"), float("nan")
+    read = _read_kernel()
+    bufs = [torch.randint(0, 1 << 30, (nbytes // 4,), device=DEV, dtype=torch.int32) for _ in range(copies)]
+    outs = [torch.empty(nbytes // 4 // 2048 + 1, device=DEV, dtype=torch.int32) for _ in range(copies)]
+    read_us = min(graph_time_us([lambda b=b, o=o: read(b, o, block) for b, o in zip(bufs, outs)], rep_ms)
+                  for block in (2048, 4096, 8192))
+    bufs = outs = None
+    w_eq = [torch.randn(nbytes // (2 * k), k, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    return read_us, graph_time_us([lambda w=w: torch.matmul(x, w.t()) for w in w_eq], rep_ms)
+
+
 def safe(log, what, fn, default=None):
     """Run fn(); on an exception log it and return default (one failing case must not end the run)."""
     try:
@@ -108,10 +141,16 @@ def rel_err(y, ref):
 # ----------------------------------------------------------------------------------------------------
 # cases
 # ----------------------------------------------------------------------------------------------------
-def dense_configs(dense, fmt, m, n, k, mode):
+def dense_configs(dense, fmt, m, n, k, mode, only=""):
+    """The default config, plus (mode "all") the autotuner's candidates, optionally only those whose names
+    start with one of the comma-separated prefixes in `only` (e.g. "T,V": the two GEMV kernels)."""
     if mode == "heuristic":
         return [dense.heuristic_config(fmt, m, n, k)]
-    return dense.candidate_configs(fmt, m, n, k)
+    cands = dense.candidate_configs(fmt, m, n, k)
+    if only:
+        keep = tuple(p for p in only.split(",") if p)
+        cands = [c for i, c in enumerate(cands) if i == 0 or c.short().startswith(keep)]
+    return cands
 
 
 def moe_configs(moe, t, mode):
@@ -149,7 +188,7 @@ def plan(args):
     for fmt in args.formats:
         for k, n in DENSE_SHAPES:
             for m in (args.ms if fmt == "nvfp4" else [mm for mm in args.ms if mm in (1, 128)]):
-                for cfg in dense_configs(dense, fmt, m, n, k, args.configs):
+                for cfg in dense_configs(dense, fmt, m, n, k, args.configs, args.only):
                     cases.append(("dense", fmt, m, n, k, cfg))
     if not args.skip_moe:
         for t in args.moe_tokens:
@@ -241,6 +280,11 @@ def bench_dense(args, copy_bw, log):
             w_fp4 = [_random_prepared(layouts, fmt, None, n, k) for _ in range(copies - 1)] + [wq]
             w_bf16 = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
             wd = layouts.dequantize_prepared(wq, torch.float32)
+            read_us, bf16_eq_us = safe(log, "read roofline", lambda: read_roofline_us(
+                fp4_bytes, k, copies, args.rep_ms), (float("nan"), float("nan")))
+            log(f"dense {fmt} K={k} N={n}: reading the {fp4_bytes / 1e6:.1f} MB of FP4 weight bytes: "
+                f"{read_us:.1f} us (Triton streaming read, no math), {bf16_eq_us:.1f} us (cuBLAS bf16 GEMV over "
+                f"the same byte count)")
             ms = args.ms if fmt == "nvfp4" else [m for m in args.ms if m in (1, 128)]
             for m in ms:
                 x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
@@ -248,7 +292,7 @@ def bench_dense(args, copy_bw, log):
                 t_bf16 = safe(log, f"bf16 matmul M={m}", lambda: graph_time_us(
                     [lambda w=w: torch.matmul(x, w.t()) for w in w_bf16], args.rep_ms), float("nan"))
                 results = []
-                for cfg in dense_configs(dense, fmt, m, n, k, args.configs):
+                for cfg in dense_configs(dense, fmt, m, n, k, args.configs, args.only):
                     xx = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)  # fresh inputs
                     err = safe(log, cfg.short(), lambda: max(
                         rel_err(dense.w4a16_gemm(xx, wq, config=cfg), xx.float() @ wd.t()),
@@ -268,15 +312,19 @@ def bench_dense(args, copy_bw, log):
                 best = min(ok, key=lambda r: r["us"]) if ok else None
                 heur = dense.heuristic_config(fmt, m, n, k).short()
                 heur_r = next((r for r in ok if r["config"] == heur), None)
-                # tensor-core kernel (GemmConfig) vs CUDA-core GEMV (GemvConfig, names "V...")
-                dot_ok = [r for r in ok if not r["config"].startswith("V")]
+                # wgmma kernel (GemmConfig) vs CUDA-core GEMV (GemvConfig, names "V...") vs register-fragment
+                # MMA GEMV (MmaGemvConfig, names "T...")
+                dot_ok = [r for r in ok if r["config"][0] not in "VT"]
                 gemv_ok = [r for r in ok if r["config"].startswith("V")]
+                mma_ok = [r for r in ok if r["config"].startswith("T")]
                 best_dot = min(dot_ok, key=lambda r: r["us"]) if dot_ok else None
                 best_gemv = min(gemv_ok, key=lambda r: r["us"]) if gemv_ok else None
+                best_mma = min(mma_ok, key=lambda r: r["us"]) if mma_ok else None
                 row = dict(kind="dense", fmt=fmt, K=k, N=n, M=m, copies=copies, bf16_us=t_bf16,
                            fp4_us=best["us"] if best else None, best=best, heuristic=heur_r, all=results,
-                           best_dot=best_dot, best_gemv=best_gemv,
-                           fp4_weight_bytes=fp4_bytes, bf16_weight_bytes=2 * n * k, copy_gbs=copy_bw)
+                           best_dot=best_dot, best_gemv=best_gemv, best_mma=best_mma,
+                           fp4_weight_bytes=fp4_bytes, bf16_weight_bytes=2 * n * k, copy_gbs=copy_bw,
+                           read_us=read_us, bf16_equal_bytes_us=bf16_eq_us)
                 if best:
                     row["speedup"] = t_bf16 / best["us"]
                     row["fp4_gbs"] = fp4_bytes / (best["us"] * 1e-6) / 1e9
@@ -288,8 +336,15 @@ def bench_dense(args, copy_bw, log):
                     f"err {best['err'] if best else float('nan'):.1e}  | tensor-core "
                     f"{best_dot['us'] if best_dot else float('nan'):.1f}us ({best_dot['config'] if best_dot else '-'})"
                     f"  gemv {best_gemv['us'] if best_gemv else float('nan'):.1f}us "
-                    f"({best_gemv['config'] if best_gemv else '-'})  default "
+                    f"({best_gemv['config'] if best_gemv else '-'})  mma "
+                    f"{best_mma['us'] if best_mma else float('nan'):.1f}us "
+                    f"({best_mma['config'] if best_mma else '-'})  default "
                     f"{heur_r['us'] if heur_r else float('nan'):.1f}us ({heur})", row)
+            from megatron_qrl.kernels.w4a16_mma_gemv import KERNEL_INFO
+            for (cfg, one_tile), (regs, spills) in KERNEL_INFO.items():
+                log(f"  MMA GEMV {cfg.short()} ({'M <= 8' if one_tile else 'M > 8'}): {regs} registers, "
+                    f"{spills} spilled")
+            KERNEL_INFO.clear()
             w_fp4 = w_bf16 = None  # free before the next shape
             if DEV == "cuda":
                 torch.cuda.empty_cache()
@@ -499,10 +554,11 @@ def markdown(env, rows):
                      f"{r['bf16_gbs']:.0f} | {b['err']:.1e} | {b['config']} |")
     dense = [r for r in rows if r["kind"] == "dense" and r.get("best")]
     if dense:
-        lines += ["", "Dense detail: tensor-core kernel (best of its configs) vs CUDA-core GEMV (best of its "
-                  "variants) vs the default (`heuristic_config`).", "",
-                  "| shape | M | bf16 (us) | tensor-core (us, config) | GEMV (us, config) | default (us, config) | "
-                  "default speedup | default GB/s | rel. err |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Dense detail: wgmma kernel (best of its configs) vs CUDA-core GEMV and register-fragment "
+                  "MMA GEMV (best of their variants) vs the default (`heuristic_config`).", "",
+                  "| shape | M | bf16 (us) | wgmma (us, config) | GEMV (us, config) | MMA GEMV (us, config) | "
+                  "default (us, config) | default speedup | default GB/s | read-only floor (us) | rel. err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dense:
             def cell(b):
                 return f"{b['us']:.1f} ({b['config']})" if b else "-"
@@ -510,8 +566,11 @@ def markdown(env, rows):
             sp = f"{r['bf16_us'] / h['us']:.2f}x" if h else "-"
             gbs = f"{r['fp4_weight_bytes'] / (h['us'] * 1e-6) / 1e9:.0f}" if h else "-"
             lines.append(f"| {r['fmt']} K={r['K']} N={r['N']} | {r['M']} | {r['bf16_us']:.1f} | "
-                         f"{cell(r.get('best_dot'))} | {cell(r.get('best_gemv'))} | {cell(h)} | {sp} | {gbs} | "
+                         f"{cell(r.get('best_dot'))} | {cell(r.get('best_gemv'))} | {cell(r.get('best_mma'))} | "
+                         f"{cell(h)} | {sp} | {gbs} | {r.get('read_us', float('nan')):.1f} | "
                          f"{(h or r['best'])['err']:.1e} |")
+    lines += ["", "Read-only floor: a Triton streaming read of the same FP4 byte count (no math), timed the same "
+              "way; no kernel that reads those bytes can be faster."]
     lines += ["", "Attention rows: bf16 = torch SDPA (enable_gqa) over a bf16 cache; the GB/s columns count the "
               "KV-cache bytes (codes + scales) instead of weights."]
     return "\n".join(lines)
@@ -555,6 +614,8 @@ def main():
     ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
     ap.add_argument("--configs", choices=["heuristic", "all"], default="heuristic")
+    ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
+                    "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--skip-attn", action="store_true")

@@ -2,6 +2,7 @@
 # W4A16 kernels on a GPU machine: correctness tests on the device, the benchmark (tools/bench_kernels.py),
 # and optionally (NCU=1) an Nsight Compute profile of a few kernels.
 # Usage (repository root): OUT=results/ bash tools/gpu_kernels.sh [extra bench_kernels.py args]
+# (SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; TEST_K=expr passes -k expr to the GPU tests)
 # The package is made importable without installing its dependencies (the kernels need torch + triton
 # only): megatron_qrl/ and kernels/ (as megatron_qrl/kernels) are copied into a scratch dir on PYTHONPATH,
 # and the tests run from there (so the checkout's own megatron_qrl/ cannot shadow the copy).
@@ -26,7 +27,7 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
   XDIST=""
   python3 -c "import xdist" 2>/dev/null && XDIST="-n ${TEST_WORKERS:-8}"
   (cd "$SHIM" && QRL_KERNEL_TESTS_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
-    $XDIST tests/test_kernels_gemm.py) 2>&1 | tee "$OUT/tests_gpu.txt" | tail -25
+    $XDIST ${TEST_K:+-k "$TEST_K"} tests/test_kernels_gemm.py) 2>&1 | tee "$OUT/tests_gpu.txt" | tail -25
   rc=${PIPESTATUS[0]}
   echo "gpu tests exit code: $rc"
 fi
