@@ -364,11 +364,11 @@ _LARGE = (64, 128, 128, 4, 3, True)
 
 
 # Small-M dispatch (NVFP4), by GEMV bucket (docs/PERF.md "W4A16 GEMM kernels", H200):
-# - M = 1: the CUDA-core GEMV (_GEMV_TABLE: block_n, groups, CTAs per SM, prefetch); 1.06-1.15x faster than
+# - M = 1: the CUDA-core GEMV (_GEMV_TABLE: block_n, groups, CTAs per SM, prefetch); 1.07-1.14x faster than
 #   the register-fragment MMA GEMV there.
-# - M = 2..8: the register-fragment MMA GEMV (w4a16_mma_gemv.py): 1.07-1.2x faster than the CUDA-core GEMV at
+# - M = 2..8: the register-fragment MMA GEMV (w4a16_mma_gemv.py): 1.09-1.24x faster than the CUDA-core GEMV at
 #   M = 2 and than the wgmma kernel at M = 3..8.
-# - M = 9..16 and up: the wgmma kernel (the MMA GEMV was 1-5% slower at M = 16).
+# - M = 9..16 and up: the wgmma kernel (the MMA GEMV was 1-12% slower at M = 16).
 _GEMV_TABLE = {1: (64, 8, 8, False)}
 _MMA_GEMV_BUCKETS = (2, 4, 8)
 

@@ -5,7 +5,7 @@ registers, 2 CTAs per SM, wgmma fences. This kernel uses no tl.dot: many small C
 registers at M = 1 in a Triton 3.9 sm_90 build, 7 CTAs per SM), 16-byte weight loads straight into
 registers, and per weight ~1.25 integer instructions of decode plus half an fp16x2 FMA per token (2.9 SASS
 instructions per weight in the M = 1 loop in all, ~6.7 at M = 4). On an H200 it is the default at M = 1
-(w4a16_gemm._GEMV_TABLE): 1.3-1.45x faster than the wgmma kernel and 1.06-1.15x faster than the
+(w4a16_gemm._GEMV_TABLE): 1.3-1.45x faster than the wgmma kernel and 1.07-1.14x faster than the
 register-fragment MMA GEMV (w4a16_mma_gemv.py), which takes M = 2..8 because this kernel's per-token work
 grows with M.
 

@@ -4,7 +4,9 @@ M = 1..16, with warp-level `mma.sync.m16n8k16` (fp16 in, fp32 accumulate) issued
 Why: the CUDA-core GEMV (w4a16_gemv.py) spends half an HFMA2 per weight *per token*, so at M = 2..16 its
 cost grows with M; the wgmma kernel (w4a16_gemm.py) stages decoded tiles through shared memory and runs
 2 CTAs per SM. Here every weight is decoded once, in registers, straight into the A fragment of an m16n8k16
-MMA, and one MMA serves 8 tokens: M = 1..8 costs the same, M = 9..16 one more MMA per fragment.
+MMA, and one MMA serves 8 tokens: M = 1..8 costs the same, M = 9..16 one more MMA per fragment. On an H200
+it is the default at M = 2..8 (w4a16_gemm.heuristic_config): 1.72-1.97x bf16 cuBLAS at the bench shapes,
+1.09-1.24x faster than the kernels it replaced there (docs/PERF.md, "Session of 2026-11-30 night").
 
 No second weight copy: the fragments come from the existing kernel layout (`layouts.prepare_nvfp4_weight`).
 The MMA sums over its 16 K positions, so the K order inside an MMA is free as long as A and B agree. Lane
