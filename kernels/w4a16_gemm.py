@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -595,11 +595,12 @@ def _launch(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tensor) -> t
 
 
 def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Tensor] = None,
-               config: Optional[GemmConfig] = None, autotune: Optional[bool] = None) -> torch.Tensor:
+               config: Optional[Union[GemmConfig, GemvConfig, MmaGemvConfig]] = None,
+               autotune: Optional[bool] = None) -> torch.Tensor:
     """y = x @ dequant(w)^T for x [..., K] (bf16; fp16/fp32 are cast to bf16), w from prepare_*_weight.
 
-    Returns [..., N] in x's dtype. `config` forces a kernel config (benchmarks, tests); otherwise the
-    cached autotuned config (QRL_W4A16_AUTOTUNE=1) or the sm_90 heuristic is used.
+    Returns [..., N] in x's dtype. `config` forces a kernel config of any of the three kernels (benchmarks,
+    tests); otherwise the cached autotuned config (QRL_W4A16_AUTOTUNE=1) or the sm_90 heuristic is used.
     """
     if w.num_experts is not None:
         raise ValueError("w4a16_gemm takes one dense weight; use moe_grouped_gemm for expert stacks")
