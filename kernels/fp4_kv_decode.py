@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a16_gemm import INTERPRET, _to_bf16
+from .rounding import _to_bf16
+from .w4a16_gemm import INTERPRET
 
 
 @dataclass

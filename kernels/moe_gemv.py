@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a16_gemm import _to_bf16
+from .rounding import _to_bf16
 from .w4a16_gemv import (GEMV_ACC_FACTOR, _decode_words, _load_sw, _load_w, _scales_f32, _tile_dot,
                          _tile_int, _x_words)
 

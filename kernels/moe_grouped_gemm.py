@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .layouts import PreparedFP4Weight
-from .w4a16_gemm import (FP16_ACC_FACTOR, INTERPRET, _cast_out, _dequant_tile, _mma, _prep_x, tma_compatible,
+from .rounding import _cast_out
+from .w4a16_gemm import (FP16_ACC_FACTOR, INTERPRET, _dequant_tile, _mma, _prep_x, tma_compatible,
                          weight_descriptor)
 
 

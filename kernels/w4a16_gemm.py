@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+from .rounding import _cast_out, _to_bf16
 from .tiling import split_k_for
 from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
 from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_gemv, mma_gemv_candidates,
@@ -96,25 +97,6 @@ def _codes_f16(b, USE_ASM: tl.constexpr):
         lo = ((b << 8) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
         hi = (((b << 5) & 0x0E00) | ((b << 15) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
     return lo, hi
-
-
-@triton.jit
-def _to_bf16(x, RNE: tl.constexpr):
-    """fp32 -> bf16, round to nearest even. RNE=True rounds with integer arithmetic first: the CPU
-    interpreter's float cast truncates (the GPU's cvt.rn rounds), so interpreter runs pass RNE=True."""
-    if RNE:
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
-        x = b.to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _cast_out(x, ptr, RNE: tl.constexpr):
-    """Cast an fp32 tile to the element type of ptr (rounding bf16 to nearest even, see _to_bf16)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        return _to_bf16(x, RNE)
-    return x.to(ptr.dtype.element_ty)
 
 
 @triton.jit

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+from .rounding import _cast_out
 from .tiling import split_k_for
 
 X_EXP = 2                      # activations enter the fp16 FMA as x * 2^X_EXP
@@ -253,10 +254,7 @@ def _finish(acc, m: tl.constexpr, offs_n, m0, M, N, scale, y_ptr, stride_ym, ws_
         row = m0 + m
         ok = offs_n < tl.where(row < M, N, 0)
         if SPLIT_K == 1:
-            if RNE:
-                b = v.to(tl.int32, bitcast=True)
-                v = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-            tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, v.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, _cast_out(v, y_ptr, RNE), mask=ok)
         else:
             tl.store(ws_ptr + (pid_k * M + row).to(tl.int64) * N + offs_n, v, mask=ok)
 
@@ -348,10 +346,7 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
                 for sk in tl.static_range(1, SPLIT_K):
                     tot += tl.load(ws_ptr + sk * M.to(tl.int64) * N + off, mask=ok, other=0.0,
                                    cache_modifier=".cg")
-                if RNE:
-                    b = tot.to(tl.int32, bitcast=True)
-                    tot = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-                tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, tot.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, _cast_out(tot, y_ptr, RNE), mask=ok)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+from .rounding import _cast_out
 from .tiling import split_k_for
 from .w4a16_gemv import _counters, _load_sw, _load_w
 
@@ -226,10 +227,7 @@ def _emit(a, c: tl.constexpr, rt: tl.constexpr, tt: tl.constexpr, row0, pid_k, M
     tok = 8 * tt + 2 * (j % 4) + (c % 2)
     ok = (row < N) & (tok < M)
     if SPLIT_K == 1:
-        if RNE:
-            b = v.to(tl.int32, bitcast=True)
-            v = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-        tl.store(y_ptr + tok.to(tl.int64) * stride_ym + row, v.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + tok.to(tl.int64) * stride_ym + row, _cast_out(v, y_ptr, RNE), mask=ok)
     else:
         tl.store(ws_ptr + (pid_k * M + tok).to(tl.int64) * N + row, v, mask=ok)
 
@@ -350,10 +348,7 @@ def _w4a16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
             tot = tl.load(ws_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")
             for sk in tl.static_range(1, SPLIT_K):
                 tot += tl.load(ws_ptr + sk * M.to(tl.int64) * N + off, mask=ok, other=0.0, cache_modifier=".cg")
-            if RNE:
-                b = tot.to(tl.int32, bitcast=True)
-                tot = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-            tl.store(y_ptr + tok.to(tl.int64) * stride_ym + row, tot.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_ptr + tok.to(tl.int64) * stride_ym + row, _cast_out(tot, y_ptr, RNE), mask=ok)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -442,15 +437,9 @@ def launch_mma_gemv(x2: torch.Tensor, w: PreparedFP4Weight, cfg: MmaGemvConfig, 
         cnt = _counters(x2.device, grid[0])
     else:
         ws = cnt = out
-    handle = _w4a16_mma_gemv_kernel[grid](x2, w.qweight, w.scales, w.global_scale, out, ws, cnt,
+    _w4a16_mma_gemv_kernel[grid](x2, w.qweight, w.scales, w.global_scale, out, ws, cnt,
                                  m, n, k, w.qweight.stride(-2), w.scales.stride(-2), x2.stride(0), out.stride(0),
                                  MMA_ACC_FACTOR, ROW_TILES=cfg.row_tiles, TOKEN_TILES=1 if m <= 8 else 2,
                                  SPLIT_K=cfg.split_k, WARPS=cfg.num_warps, USE_ASM=use_asm, RNE=interpret,
                                  PREFETCH=cfg.prefetch and use_asm, num_warps=cfg.num_warps, num_stages=1)
-    if use_asm and (cfg, m <= 8) not in KERNEL_INFO:
-        KERNEL_INFO[(cfg, m <= 8)] = (getattr(handle, "n_regs", None), getattr(handle, "n_spills", None))
     return out
-
-
-# (config, M <= 8) -> (registers per thread, spilled registers) of its compiled kernel (benchmark log)
-KERNEL_INFO: dict = {}

@@ -55,6 +55,23 @@ def _rel(y, ref):
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def _check_configs(m, n, k, configs, deterministic=False):
+    """Each dense config on one fresh NVFP4 weight and input against the dequantize-then-matmul reference,
+    into a NaN-poisoned output (every element must be written); deterministic: a second call is bit-equal."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = w4a16_gemm_reference(x, w)
+    assert configs, "no config to check"
+    for cfg in configs:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        y = w4a16_gemm(x, w, out=out, config=cfg)
+        assert _rel(y, ref) < DENSE_TOL, (seed, m, cfg.short(), _rel(y, ref))
+        if deterministic:
+            assert torch.equal(y, w4a16_gemm(x, w, config=cfg)), f"{cfg.short()}: split-K sums must be deterministic"
+
+
 def _experts(fmt, e, n, k, gen):
     w = (torch.randn(e, n, k, generator=gen) * 0.05).to(DEVICE)
     if fmt == "nvfp4":
@@ -177,14 +194,7 @@ def test_dense_identity_reproduces_dequantized_weight():
     (2, 48, 128, GemvConfig(block_n=16, groups=1, split_k=1, block_m=2)),  # no split: direct bf16 store
 ], ids=lambda v: v.short() if isinstance(v, GemvConfig) else str(v))
 def test_gemv_matches_reference(m, n, k, cfg):
-    seed = _seed()
-    gen = torch.Generator().manual_seed(seed)
-    w = _weight("nvfp4", n, k, gen)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poison
-    y = w4a16_gemm(x, w, out=out, config=cfg)
-    assert _rel(y, w4a16_gemm_reference(x, w)) < DENSE_TOL, (seed, cfg.short(), _rel(y, w4a16_gemm_reference(x, w)))
-    assert torch.equal(y, w4a16_gemm(x, w, config=cfg)), "GEMV split-K reduction must be deterministic"
+    _check_configs(m, n, k, [cfg], deterministic=True)
 
 
 def test_gemv_is_the_default_for_small_m_and_exact_on_identity():
@@ -217,16 +227,8 @@ if DEVICE == "cuda":
     @pytest.mark.parametrize("k,n", [(4096, 14336), (7168, 4096)])
     def test_gemv_bench_shapes_gpu(k, n, m):
         """Every GEMV variant the autotuner may pick, at the bench shapes and M = 1..16, fresh random inputs."""
-        seed = _seed()
-        gen = torch.Generator().manual_seed(seed)
-        w = _weight("nvfp4", n, k, gen)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-        ref = w4a16_gemm_reference(x, w)
-        for cfg in [heuristic_config("nvfp4", m, n, k)] + [c for c in candidate_configs("nvfp4", m, n, k)
-                                                          if isinstance(c, GemvConfig)]:
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-            y = w4a16_gemm(x, w, out=out, config=cfg)
-            assert _rel(y, ref) < DENSE_TOL, (seed, m, cfg.short(), _rel(y, ref))
+        _check_configs(m, n, k, [heuristic_config("nvfp4", m, n, k)] + [
+            c for c in candidate_configs("nvfp4", m, n, k) if isinstance(c, GemvConfig)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,15 +243,7 @@ if DEVICE == "cuda":
     (8, 32, 1024, MmaGemvConfig(row_tiles=1, num_warps=8, split_k=2)),    # 8 warps, cross-warp sums
 ], ids=lambda v: v.short() if isinstance(v, MmaGemvConfig) else str(v))
 def test_mma_gemv_matches_reference(m, n, k, cfg):
-    seed = _seed()
-    gen = torch.Generator().manual_seed(seed)
-    w = _weight("nvfp4", n, k, gen)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poison
-    y = w4a16_gemm(x, w, out=out, config=cfg)
-    ref = w4a16_gemm_reference(x, w)
-    assert _rel(y, ref) < DENSE_TOL, (seed, cfg.short(), _rel(y, ref))
-    assert torch.equal(y, w4a16_gemm(x, w, config=cfg)), "MMA GEMV split-K reduction must be deterministic"
+    _check_configs(m, n, k, [cfg], deterministic=True)
 
 
 def test_mma_gemv_exact_on_identity_and_refuses_bad_shapes():
@@ -279,15 +273,7 @@ if DEVICE == "cuda":
     @pytest.mark.parametrize("k,n", [(4096, 14336), (7168, 4096)])
     def test_mma_gemv_bench_shapes_gpu(k, n, m):
         """Every MMA GEMV variant the autotuner may pick, at the bench shapes, fresh random inputs."""
-        seed = _seed()
-        gen = torch.Generator().manual_seed(seed)
-        w = _weight("nvfp4", n, k, gen)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-        ref = w4a16_gemm_reference(x, w)
-        for cfg in [c for c in candidate_configs("nvfp4", m, n, k) if isinstance(c, MmaGemvConfig)]:
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-            y = w4a16_gemm(x, w, out=out, config=cfg)
-            assert _rel(y, ref) < DENSE_TOL, (seed, m, cfg.short(), _rel(y, ref))
+        _check_configs(m, n, k, [c for c in candidate_configs("nvfp4", m, n, k) if isinstance(c, MmaGemvConfig)])
 
 
 @pytest.mark.parametrize("m", [1, 32])

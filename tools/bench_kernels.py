@@ -340,11 +340,6 @@ def bench_dense(args, copy_bw, log):
                     f"{best_mma['us'] if best_mma else float('nan'):.1f}us "
                     f"({best_mma['config'] if best_mma else '-'})  default "
                     f"{heur_r['us'] if heur_r else float('nan'):.1f}us ({heur})", row)
-            from megatron_qrl.kernels.w4a16_mma_gemv import KERNEL_INFO
-            for (cfg, one_tile), (regs, spills) in KERNEL_INFO.items():
-                log(f"  MMA GEMV {cfg.short()} ({'M <= 8' if one_tile else 'M > 8'}): {regs} registers, "
-                    f"{spills} spilled")
-            KERNEL_INFO.clear()
             w_fp4 = w_bf16 = None  # free before the next shape
             if DEV == "cuda":
                 torch.cuda.empty_cache()
