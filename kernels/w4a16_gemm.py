@@ -54,6 +54,8 @@ from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
 from .rounding import _cast_out, _to_bf16
 from .tiling import split_k_for
 from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
+from .w4a16_gluon_gemm import GluonGemmConfig, gluon_candidates, launch_gluon_gemm
+from .w4a16_gluon_gemm import supported as gluon_supported
 from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_gemv, mma_gemv_candidates,
                              mma_gemv_supported)
 
@@ -422,6 +424,8 @@ def candidate_configs(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAU
             out.append(GemmConfig(bm, bn, bk, split, w, st, True, fp16, x_pre=fp16))
     # the same tiles fed by TMA (weight codes only; scales and activations stay pointer loads)
     out += [replace(c, tma=True) for c in out if isinstance(c, GemmConfig) and (c.block_k // 2) % 16 == 0]
+    if m > 16 and gluon_supported(fmt, m, k):
+        out += gluon_candidates(m, n, k, sms)
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -573,11 +577,13 @@ def _launch(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tensor) -> t
         return launch_gemv(x2, w, cfg, out, interpret=INTERPRET)
     if isinstance(cfg, MmaGemvConfig):
         return launch_mma_gemv(x2, w, cfg, out, interpret=INTERPRET)
+    if isinstance(cfg, GluonGemmConfig):
+        return launch_gluon_gemm(x2, w, cfg, out)
     return launch_w4a16(x2, w, cfg, out)
 
 
 def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Tensor] = None,
-               config: Optional[Union[GemmConfig, GemvConfig, MmaGemvConfig]] = None,
+               config: Optional[Union[GemmConfig, GemvConfig, MmaGemvConfig, GluonGemmConfig]] = None,
                autotune: Optional[bool] = None) -> torch.Tensor:
     """y = x @ dequant(w)^T for x [..., K] (bf16; fp16/fp32 are cast to bf16), w from prepare_*_weight.
 

@@ -276,6 +276,68 @@ if DEVICE == "cuda":
         _check_configs(m, n, k, [c for c in candidate_configs("nvfp4", m, n, k) if isinstance(c, MmaGemvConfig)])
 
 
+# ------------------------------------------------------------------------------------------------
+# Mid-M Gluon register-A wgmma (w4a16_gluon_gemm.py): CPU = the index algebra (activation permutation,
+# A-fragment reorder, scales) through `emulate`; GPU = the Gluon kernel itself
+# ------------------------------------------------------------------------------------------------
+def test_gluon_index_algebra_reproduces_the_reference():
+    """The kernel's K reorder (A_PERM on the weights, permute_x on the activations) must pair every weight
+    with its own activation: the emulation equals the dequantize-then-matmul reference, and the same
+    emulation with the activations left in physical order does not (the check can fail)."""
+    from megatron_qrl.kernels import w4a16_gluon_gemm as G
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k = 7, 48, 256
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = w4a16_gemm_reference(x, w)
+    assert _rel(G.emulate(x, w), ref) < DENSE_TOL, seed
+    idx = G.logical_from_physical()
+    assert sorted(idx.tolist()) == list(range(G.STEP_K)) and idx.tolist() != list(range(G.STEP_K))
+    xp = G.permute_x(x)                                            # the Triton kernel (interpreter on CPU)
+    want = (x.view(m, k // 64, 64)[:, :, idx.to(x.device)].reshape(m, k).float() / 256).to(torch.float16)
+    assert torch.equal(xp, want)
+    unpermuted = x.view(m, k // 64, 64)[:, :, torch.argsort(idx).to(x.device)].reshape(m, k)
+    assert _rel(G.emulate(unpermuted, w), ref) > 0.5, "a wrong K pairing must show"
+
+
+def test_gluon_config_choices_and_refusals():
+    from megatron_qrl.kernels import w4a16_gluon_gemm as G
+
+    for m in (17, 128, 300):
+        cands = G.gluon_candidates(m, 4096, 7168)
+        assert cands and all(c.block_m >= min(m, 256) and c.block_m % 16 == 0 for c in cands)
+        tiles = (4096 // 64) * -(-m // min(256, -(-m // 16) * 16))
+        assert any(c.split_k > 1 for c in cands) == (tiles < 132)   # too few row tiles for 132 SMs: split K
+    assert not G.supported("mxfp4", 128, 4096) and not G.supported("nvfp4", 128, 96)
+    gen = torch.Generator().manual_seed(_seed())
+    w = _weight("mxfp4", 64, 128, gen)
+    with pytest.raises(ValueError, match="NVFP4"):
+        G.launch_gluon_gemm(torch.zeros(32, 128, dtype=torch.bfloat16, device=DEVICE), w, G.GluonGemmConfig(),
+                            torch.empty(32, 64, dtype=torch.bfloat16, device=DEVICE))
+
+
+if DEVICE == "cuda":
+    from megatron_qrl.kernels.w4a16_gluon_gemm import GluonGemmConfig, gluon_candidates  # noqa: E402
+
+    @pytest.mark.parametrize("m,n,k,cfg", [
+        (128, 192, 512, GluonGemmConfig(64, 128, 3, 1, 4)),
+        (100, 200, 1024, GluonGemmConfig(64, 112, 4, 2, 4)),    # partial row tile, token tile, split-K 2
+        (33, 128, 768, GluonGemmConfig(128, 48, 6, 4, 8)),      # two warpgroups, uneven split-K 4
+        (200, 136, 512, GluonGemmConfig(128, 128, 3, 1, 4)),    # 128 rows on one warpgroup, 2 token tiles
+        (300, 64, 256, GluonGemmConfig(64, 128, 4, 1, 4)),      # three token tiles, fewer steps than stages
+    ], ids=lambda v: v.short() if isinstance(v, GluonGemmConfig) else str(v))
+    def test_gluon_gemm_matches_reference_gpu(m, n, k, cfg):
+        _check_configs(m, n, k, [cfg], deterministic=True)
+
+    @pytest.mark.parametrize("m", [32, 128, 512])
+    @pytest.mark.parametrize("k,n", [(4096, 14336), (7168, 4096)])
+    def test_gluon_gemm_bench_shapes_gpu(k, n, m):
+        """Every Gluon variant the autotuner may pick, at the bench shapes, fresh random inputs."""
+        _check_configs(m, n, k, gluon_candidates(m, n, k))
+
+
 @pytest.mark.parametrize("m", [1, 32])
 def test_dense_mxfp4_matches_reference(m):
     seed = _seed()

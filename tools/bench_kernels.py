@@ -313,8 +313,10 @@ def bench_dense(args, copy_bw, log):
                 heur = dense.heuristic_config(fmt, m, n, k).short()
                 heur_r = next((r for r in ok if r["config"] == heur), None)
                 # wgmma kernel (GemmConfig) vs CUDA-core GEMV (GemvConfig, names "V...") vs register-fragment
-                # MMA GEMV (MmaGemvConfig, names "T...")
-                dot_ok = [r for r in ok if r["config"][0] not in "VT"]
+                # MMA GEMV (MmaGemvConfig, names "T...") vs Gluon register-A wgmma (GluonGemmConfig, "G...")
+                dot_ok = [r for r in ok if r["config"][0] not in "VTG"]
+                gluon_ok = [r for r in ok if r["config"].startswith("G")]
+                best_gluon = min(gluon_ok, key=lambda r: r["us"]) if gluon_ok else None
                 gemv_ok = [r for r in ok if r["config"].startswith("V")]
                 mma_ok = [r for r in ok if r["config"].startswith("T")]
                 best_dot = min(dot_ok, key=lambda r: r["us"]) if dot_ok else None
@@ -322,7 +324,7 @@ def bench_dense(args, copy_bw, log):
                 best_mma = min(mma_ok, key=lambda r: r["us"]) if mma_ok else None
                 row = dict(kind="dense", fmt=fmt, K=k, N=n, M=m, copies=copies, bf16_us=t_bf16,
                            fp4_us=best["us"] if best else None, best=best, heuristic=heur_r, all=results,
-                           best_dot=best_dot, best_gemv=best_gemv, best_mma=best_mma,
+                           best_dot=best_dot, best_gemv=best_gemv, best_mma=best_mma, best_gluon=best_gluon,
                            fp4_weight_bytes=fp4_bytes, bf16_weight_bytes=2 * n * k, copy_gbs=copy_bw,
                            read_us=read_us, bf16_equal_bytes_us=bf16_eq_us)
                 if best:
@@ -338,7 +340,9 @@ def bench_dense(args, copy_bw, log):
                     f"  gemv {best_gemv['us'] if best_gemv else float('nan'):.1f}us "
                     f"({best_gemv['config'] if best_gemv else '-'})  mma "
                     f"{best_mma['us'] if best_mma else float('nan'):.1f}us "
-                    f"({best_mma['config'] if best_mma else '-'})  default "
+                    f"({best_mma['config'] if best_mma else '-'})  gluon "
+                    f"{best_gluon['us'] if best_gluon else float('nan'):.1f}us "
+                    f"({best_gluon['config'] if best_gluon else '-'})  default "
                     f"{heur_r['us'] if heur_r else float('nan'):.1f}us ({heur})", row)
             w_fp4 = w_bf16 = None  # free before the next shape
             if DEV == "cuda":
@@ -549,11 +553,13 @@ def markdown(env, rows):
                      f"{r['bf16_gbs']:.0f} | {b['err']:.1e} | {b['config']} |")
     dense = [r for r in rows if r["kind"] == "dense" and r.get("best")]
     if dense:
-        lines += ["", "Dense detail: wgmma kernel (best of its configs) vs CUDA-core GEMV and register-fragment "
-                  "MMA GEMV (best of their variants) vs the default (`heuristic_config`).", "",
+        lines += ["", "Dense detail: wgmma kernel (best of its configs) vs CUDA-core GEMV, register-fragment "
+                  "MMA GEMV and Gluon register-A wgmma (best of their variants) vs the default "
+                  "(`heuristic_config`).", "",
                   "| shape | M | bf16 (us) | wgmma (us, config) | GEMV (us, config) | MMA GEMV (us, config) | "
-                  "default (us, config) | default speedup | default GB/s | read-only floor (us) | rel. err |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "Gluon (us, config) | default (us, config) | default speedup | default GB/s | "
+                  "read-only floor (us) | rel. err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dense:
             def cell(b):
                 return f"{b['us']:.1f} ({b['config']})" if b else "-"
@@ -562,7 +568,7 @@ def markdown(env, rows):
             gbs = f"{r['fp4_weight_bytes'] / (h['us'] * 1e-6) / 1e9:.0f}" if h else "-"
             lines.append(f"| {r['fmt']} K={r['K']} N={r['N']} | {r['M']} | {r['bf16_us']:.1f} | "
                          f"{cell(r.get('best_dot'))} | {cell(r.get('best_gemv'))} | {cell(r.get('best_mma'))} | "
-                         f"{cell(h)} | {sp} | {gbs} | {r.get('read_us', float('nan')):.1f} | "
+                         f"{cell(r.get('best_gluon'))} | {cell(h)} | {sp} | {gbs} | {r.get('read_us', float('nan')):.1f} | "
                          f"{(h or r['best'])['err']:.1e} |")
     lines += ["", "Read-only floor: a Triton streaming read of the same FP4 byte count (no math), timed the same "
               "way; no kernel that reads those bytes can be faster."]

@@ -1,0 +1,353 @@
+"""Mid-M NVFP4 W4A16 on Hopper wgmma with the weights as a *register* A operand, written in Gluon:
+y[M, N] = x[M, K] (bf16) @ dequant(W)[N, K]^T for M of a few dozen to a few hundred tokens.
+
+Why: the Triton wgmma kernel (w4a16_gemm.py) decodes each FP4 tile into registers, stores it to shared
+memory and feeds the wgmma from there, one K step after another; at M = 128 it reaches 0.52x bf16 cuBLAS on
+an H200 (docs/PERF.md). Here the computation is swapped, y^T = W x^T: the decoded weight tile is the wgmma's
+A operand straight from registers (no shared-memory round trip for the weights), the activations are its B
+operand, streamed by TMA through a ring of shared-memory stages, and the wgmma of one K step runs
+asynchronously while the warps decode the next.
+
+Register A has a fixed hardware layout: in each k16 slice, lane (g, t) of a warp holds K positions
+2t, 2t+1, 2t+8, 2t+9. A K order that the MMA sums over is free as long as A and B agree, so each lane
+loads 8 *contiguous* code bytes per row (one 8-byte load) and the activations are permuted to match, once
+per call, by `permute_x` (which also converts them to fp16 * 2^-8, as the fp16 path of w4a16_gemm does).
+With the kernel layout of `layouts.py` (a 16-byte group holds 32 codes, byte j = element j (low nibble
+half) and element 16 + j (high)), a 64-wide K step of a row is 32 bytes: 2 groups `gr` of 16 bytes `j`,
+each giving a low (`h` = 0) and a high (`h` = 1) element. The element at physical K offset
+    phys = 32 gr + 16 h + j,   j = 8 j3 + 4 j2 + 2 j1 + j0
+sits in lane bit t0 = j3, t1 = gr, and the kernel gives it the logical MMA position
+    logical = j0 + 2 j3 + 4 gr + 8 j1 + 16 j2 + 32 h
+(`A_PERM` is that reshuffle of bits; `permute_x` applies its inverse to the activations). A lane's 8 bytes
+belong to one group, so it needs two scale bytes per row and step (low and high block).
+
+Numerics are those of w4a16_gemm's fp16 path: A = code * 2^-14 * (s_block * 2^5), exact in fp16; B =
+fp16(x * 2^-8); fp32 accumulation; the result times s_global * FP16_ACC_FACTOR, rounded once to bf16.
+
+Gluon kernels compile for sm_90 only; there is no interpreter path. `emulate` reproduces the kernel's
+index algebra (layout, permutation, decode, scales) with torch ops so that the CPU tests check it; the GPU
+tests run the kernel itself against the dequantize-then-matmul reference.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+
+STEP_K = 64                     # K per pipeline step: 32 code bytes per weight row
+A_PERM = (0, 6, 3, 4, 1, 2, 5)  # [BN, gr, j3, j2, j1, j0, h] -> [BN, h, j2, j1, gr, j3, j0]
+X_SHIFT = 8                     # x enters as fp16(x * 2^-8)
+# acc = sum (code * 2^-14 * s * 2^5) * (x * 2^-8) = y / s_global * 2^-17; prepared gs = s_global * 2^22
+ACC_FACTOR = 2.0 ** (X_SHIFT + 14 - 5) / NVFP4_GLOBAL_FOLD
+
+try:  # Gluon (triton.experimental.gluon) ships with Triton >= 3.5; the kernel needs its Hopper module.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    HAVE_GLUON = True
+except Exception:  # pragma: no cover - an old Triton: the dispatcher never picks this kernel
+    HAVE_GLUON = False
+
+
+@dataclass(frozen=True)
+class GluonGemmConfig:
+    """block_n weight rows (64 per warpgroup, the wgmma M side), block_m tokens (the wgmma N side, a
+    multiple of 16 up to 256), stages of the activation ring, split_k over K (last-CTA reduction)."""
+    block_n: int = 64
+    block_m: int = 128
+    stages: int = 4
+    split_k: int = 1
+    num_warps: int = 4
+
+    def short(self) -> str:
+        return f"G{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/w{self.num_warps}"
+
+
+def supported(fmt: str, m: int, k: int) -> bool:
+    """Whether the kernel can run here for this problem: NVFP4, K % 64 == 0, Gluon importable, a GPU
+    (no interpreter path)."""
+    return (HAVE_GLUON and fmt == "nvfp4" and k % STEP_K == 0 and m >= 1
+            and os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+def _token_block(m: int) -> int:
+    """Tokens per CTA (the wgmma N side): M rounded up to 16, at most 256."""
+    return min(256, max(16, -(-m // 16) * 16))
+
+
+def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
+    """Configs for the autotuner and the benchmark: 64 or 128 weight rows per CTA, 3-6 activation stages,
+    split-K when the row tiles alone cannot give every SM a CTA."""
+    bm = _token_block(m)
+    out = []
+    for bn, warps in ((64, 4), (128, 8), (128, 4)):
+        tiles = -(-n // bn) * -(-m // bm)
+        splits = [1]
+        if tiles < sms:
+            splits = [s for s in (2, 4) if k // STEP_K >= 4 * s] or [1]
+        for st in (3, 4, 6):
+            for sk in splits:
+                out.append(GluonGemmConfig(bn, bm, st, sk, warps))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Activation permutation (Triton: also runs under the interpreter)
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["numel"])
+def _permute_x_kernel(x_ptr, y_ptr, numel, BLOCK: tl.constexpr):
+    """y[.., 64 s + logical] = fp16(x[.., 64 s + phys] * 2^-8), the bit map of the module doc."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # logical (output) index
+    mask = offs < numel
+    lg = offs % 64
+    j0 = lg & 1
+    j3 = (lg >> 1) & 1
+    gr = (lg >> 2) & 1
+    j1 = (lg >> 3) & 1
+    j2 = (lg >> 4) & 1
+    h = (lg >> 5) & 1
+    phys = 32 * gr + 16 * h + 8 * j3 + 4 * j2 + 2 * j1 + j0
+    x = tl.load(x_ptr + (offs - lg + phys), mask=mask, other=0.0)
+    tl.store(y_ptr + offs, (x.to(tl.float32) * (1.0 / 256.0)).to(tl.float16), mask=mask)
+
+
+def permute_x(x2: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, K] (K % 64 == 0, contiguous) -> fp16 [M, K] in the kernel's logical K order, times 2^-8."""
+    out = torch.empty(x2.shape, device=x2.device, dtype=torch.float16)
+    numel = x2.numel()
+    _permute_x_kernel[(triton.cdiv(numel, 2048),)](x2, out, numel, BLOCK=2048, num_warps=4)
+    return out
+
+
+def logical_from_physical() -> torch.Tensor:
+    """idx[logical] = physical K offset inside a 64-wide step (torch statement of `A_PERM`)."""
+    phys = torch.arange(STEP_K).view(2, 2, 2, 2, 2, 2)    # (gr, h, j3, j2, j1, j0): 32gr + 16h + j
+    # logical major -> minor: (h, j2, j1, gr, j3, j0)
+    return phys.permute(1, 3, 4, 0, 2, 5).reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The Gluon kernel (sm_90)
+# ----------------------------------------------------------------------------------------------------
+_DECODE_ASM = tl.constexpr("""{
+.reg .b32 t, a, c;
+cvt.u32.u16 t, $2;
+prmt.b32 t, t, 0, 0x1404;
+and.b32 $0, t, 0x8E008E00;
+shr.b32 a, t, 3;
+shl.b32 c, t, 7;
+lop3.b32 $1, a, c, 0x8E008E00, 0xA8;
+}""")
+
+if HAVE_GLUON:
+    @gluon.constexpr_function
+    def _code_layout(block_n, num_warps):
+        """[block_n, 2 (gr), 16 (j)] codes of one step, distributed as the wgmma A fragment wants them:
+        j0..j2 in registers (8 contiguous bytes), j3 and gr on the lane bits t0, t1, rows on g (lane
+        bits 2..4), one register bit (+8) and the warps (16-row slabs)."""
+        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]]
+        warp = [[16, 0, 0], [32, 0, 0]]
+        rows = 64
+        w = 4
+        while w < num_warps:
+            warp.append([rows, 0, 0])
+            rows *= 2
+            w *= 2
+        while rows < block_n:
+            reg.append([rows, 0, 0])
+            rows *= 2
+        lane = [[0, 0, 8], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, 2, 16])
+
+    @gluon.jit
+    def _decode_a(codes, s_lo, s_hi, BLOCK_N: gl.constexpr, a_layout: gl.constexpr):
+        """codes [BN, 2, 16] uint8, s_lo / s_hi [BN, 2] prepared scale bytes -> fp16 A [BN, 64] in the
+        wgmma register layout (logical K order)."""
+        lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,h", [codes], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=2)
+        sl = (s_lo.to(gl.int16) << 7).to(gl.float16, bitcast=True)      # s * 2^5, exact
+        sh = (s_hi.to(gl.int16) << 7).to(gl.float16, bitcast=True)
+        w_lo = lo * gl.expand_dims(sl, 2)
+        w_hi = hi * gl.expand_dims(sh, 2)
+        w = gl.join(w_lo, w_hi)                                         # [BN, gr, j, h]
+        w = gl.reshape(w, [BLOCK_N, 2, 2, 2, 2, 2, 2])                  # [BN, gr, j3, j2, j1, j0, h]
+        w = gl.permute(w, [0, 6, 3, 4, 1, 2, 5])                        # A_PERM
+        w = gl.reshape(w, [BLOCK_N, 64])
+        return gl.convert_layout(w, a_layout, assert_trivial=True)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _w4a16_gluon_kernel(x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
+                            M, N, K, stride_wn, stride_sn, stride_ym, acc_factor,
+                            BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                            SPLIT_K: gl.constexpr, num_warps: gl.constexpr):
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        c3: gl.constexpr = _code_layout(BLOCK_N, num_warps)
+        s2: gl.constexpr = gl.SliceLayout(2, c3)
+
+        # codes: row * stride + 32 * step + 16 * gr + j. Rows past N read row N - 1 (no load masks, so
+        # the loads stay 8-byte vectors); their outputs are masked at the store.
+        rows = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s2)), N - 1)
+        grs = gl.arange(0, 2, gl.SliceLayout(0, s2))
+        js = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, c3)))
+        rows2 = gl.expand_dims(rows, 1)                                   # [BN, 1] (s2)
+        grs2 = gl.expand_dims(grs, 0)                                     # [1, 2] (s2)
+        w_off = gl.expand_dims(rows2.to(gl.int64) * stride_wn + grs2 * 16, 2) \
+            + gl.expand_dims(gl.expand_dims(js, 0), 1)                    # [BN, 2, 16] (c3)
+        s_off = rows2.to(gl.int64) * stride_sn + grs2 * 2                 # [BN, 2]: low block of group gr
+
+        k_steps = K // 64
+        per_split = gl.cdiv(k_steps, SPLIT_K)
+        t_begin = pid_k * per_split
+        t_end = gl.minimum(t_begin + per_split, k_steps)
+        n_steps = t_end - t_begin
+
+        x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 64], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        off_m = pid_m * BLOCK_M
+        for i in gl.static_range(STAGES - 1):
+            if i < n_steps:
+                mbarrier.expect(bars.index(i), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + i) * 64], bars.index(i),
+                                                x_smem.index(i))
+
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+        codes = gl.load(w_ptr + w_off + t_begin * 32)
+        s_lo = gl.load(s_ptr + s_off + t_begin * 4)
+        s_hi = gl.load(s_ptr + s_off + (t_begin * 4 + 1))
+        a_prev = gl.zeros([BLOCK_N, 64], gl.float16, a_layout)
+        for i in range(n_steps):
+            t = t_begin + i
+            nxt = gl.minimum(t + 1, t_end - 1)                            # the last step reloads itself
+            codes_n = gl.load(w_ptr + w_off + nxt * 32)
+            s_lo_n = gl.load(s_ptr + s_off + nxt * 4)
+            s_hi_n = gl.load(s_ptr + s_off + (nxt * 4 + 1))
+            a = _decode_a(codes, s_lo, s_hi, BLOCK_N, a_layout)
+            stage = i % STAGES
+            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+            acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            # keeps one wgmma in flight; the previous one (and its A registers) is done after this
+            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+            a_prev = a
+            j = i + STAGES - 1
+            if j < n_steps:                                               # refill the stage step i-1 used
+                ps = j % STAGES
+                mbarrier.expect(bars.index(ps), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + j) * 64], bars.index(ps),
+                                                x_smem.index(ps))
+            codes = codes_n
+            s_lo = s_lo_n
+            s_hi = s_hi_n
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        gs = gl.load(gs_ptr)
+        acc = acc * (gs * acc_factor)
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma_layout))
+        offs_m = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma_layout))
+        n2 = gl.expand_dims(offs_n, 1)
+        m2 = gl.expand_dims(offs_m, 0)
+        y_mask = (n2 < N) & (m2 < M)
+        y_off = m2.to(gl.int64) * stride_ym + n2
+        if SPLIT_K == 1:
+            gl.store(y_ptr + y_off, acc.to(gl.bfloat16), mask=y_mask)
+        else:
+            ws_off = m2.to(gl.int64) * N + n2
+            split_stride = M.to(gl.int64) * N
+            gl.store(ws_ptr + pid_k * split_stride + ws_off, acc, mask=y_mask)
+            gl.thread_barrier()
+            tile = pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                tot = gl.load(ws_ptr + ws_off, mask=y_mask, other=0.0, cache_modifier=".cg")
+                for sk in gl.static_range(1, SPLIT_K):
+                    tot += gl.load(ws_ptr + sk * split_stride + ws_off, mask=y_mask, other=0.0,
+                                   cache_modifier=".cg")
+                gl.store(y_ptr + y_off, tot.to(gl.bfloat16), mask=y_mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------
+_COUNTERS: dict = {}
+
+
+def _tile_counters(device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the split-K reduction (each last CTA resets its own)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConfig,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Run one config on sm_90. x2 [M, K] bf16 contiguous rows, out [M, N] bf16."""
+    if w.fmt != "nvfp4" or w.k % STEP_K or x2.shape[1] != w.k:
+        raise ValueError(f"the Gluon W4A16 kernel takes NVFP4 weights with K % {STEP_K} == 0 "
+                         f"(got {w.fmt}, K = {w.k}); use a GemmConfig")
+    if not HAVE_GLUON or not x2.is_cuda:
+        raise RuntimeError("the Gluon W4A16 kernel runs on sm_90 GPUs with triton.experimental.gluon "
+                           "(Triton >= 3.5); use a GemmConfig elsewhere")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = x2.shape
+    n = w.n
+    xp = permute_x(x2)
+    layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, STEP_K], gl.float16)
+    desc = TensorDescriptor.from_tensor(xp, [cfg.block_m, STEP_K], layout)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32)
+        cnt = _tile_counters(x2.device, grid[0] * grid[1])
+    else:
+        ws, cnt = out, out
+    _w4a16_gluon_kernel[grid](desc, w.qweight, w.scales, w.global_scale, out, ws, cnt, m, n, k,
+                              w.qweight.stride(0), w.scales.stride(0), out.stride(0), ACC_FACTOR,
+                              BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                              SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+    return out
+
+
+def emulate(x2: torch.Tensor, w: PreparedFP4Weight) -> torch.Tensor:
+    """The kernel's arithmetic in torch (fp32), step by step: decode the kernel-layout bytes of each 64-wide
+    step as the lanes see them ([N, gr, j] -> low/high elements times their block scales), reorder them
+    with A_PERM, and multiply with the permuted fp16 activations of `permute_x`. Equal to the reference
+    when the index algebra is right; the CPU tests check that."""
+    n, k = w.n, w.k
+    steps = k // STEP_K
+    b = w.qweight.to(torch.int32)                                     # [N, K/2] kernel-layout bytes
+    lo = ((b << 8) & 0x8E00).to(torch.int16).view(torch.float16)     # the decode of w4a16_gemm._codes_f16
+    hi = (((b << 5) & 0x0E00) | ((b << 15) & 0x8000)).to(torch.int16).view(torch.float16)
+    codes = torch.stack((lo, hi), -1).float().view(n, steps, 2, 16, 2)   # [N, step, gr, j, h]: code * 2^-14
+    s = w.scales.view(n, steps, 2, 2).to(torch.int32)                 # [N, step, gr, h] prepared bytes
+    s_f = ((s << 7).to(torch.int16).view(torch.float16)).float()      # s * 2^5
+    a = codes * s_f.unsqueeze(3)                                      # code * 2^-14 * s * 2^5
+    a = a.view(n, steps, 2, 2, 2, 2, 2, 2)                            # [N, step, gr, j3, j2, j1, j0, h]
+    perm = (0, 1) + tuple(p + 1 for p in A_PERM[1:])
+    a = a.permute(*perm).reshape(n, k)                                # logical K order
+    xp = permute_x(x2) if x2.is_cuda else _permute_x_torch(x2)
+    acc = xp.float() @ a.t()
+    return (acc * (w.global_scale.float() * ACC_FACTOR)).to(torch.bfloat16)
+
+
+def _permute_x_torch(x2: torch.Tensor) -> torch.Tensor:
+    m, k = x2.shape
+    idx = logical_from_physical()
+    xs = x2.view(m, k // STEP_K, STEP_K)[:, :, idx].reshape(m, k)
+    return (xs.float() * 2.0 ** -8).to(torch.float16)
