@@ -81,18 +81,21 @@ def _token_block(m: int) -> int:
 
 
 def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
-    """Configs for the autotuner and the benchmark: 64 or 128 weight rows per CTA, 3-6 activation stages,
-    split-K when the row tiles alone cannot give every SM a CTA."""
-    bm = _token_block(m)
+    """Configs for the autotuner and the benchmark. Decode and MMA overlap only across the CTAs that share
+    an SM (each warpgroup waits for its wgmma before decoding the next step), so the candidates aim at
+    2-4 CTAs per SM: 64-row tiles (one warpgroup) or 128 (two), all tokens or 64 per CTA, split-K when the
+    tiles alone give fewer than 2 CTAs per SM, 2-4 activation stages."""
+    full = _token_block(m)
     out = []
-    for bn, warps in ((64, 4), (128, 8), (128, 4)):
-        tiles = -(-n // bn) * -(-m // bm)
-        splits = [1]
-        if tiles < sms:
-            splits = [s for s in (2, 4) if k // STEP_K >= 4 * s] or [1]
-        for st in (3, 4, 6):
-            for sk in splits:
-                out.append(GluonGemmConfig(bn, bm, st, sk, warps))
+    for bm in [full] + ([64] if full > 64 else []):
+        for bn, warps in ((64, 4), (128, 8)):
+            tiles = -(-n // bn) * -(-m // bm)
+            splits = [1]
+            if tiles < 2 * sms:
+                splits += [s for s in (2, 4) if tiles * s <= 4 * sms and k // STEP_K >= 4 * s]
+            for st in (2, 3, 4):
+                for sk in splits:
+                    out.append(GluonGemmConfig(bn, bm, st, sk, warps))
     return out
 
 
@@ -227,7 +230,6 @@ if HAVE_GLUON:
         codes = gl.load(w_ptr + w_off + t_begin * 32)
         s_lo = gl.load(s_ptr + s_off + t_begin * 4)
         s_hi = gl.load(s_ptr + s_off + (t_begin * 4 + 1))
-        a_prev = gl.zeros([BLOCK_N, 64], gl.float16, a_layout)
         for i in range(n_steps):
             t = t_begin + i
             nxt = gl.minimum(t + 1, t_end - 1)                            # the last step reloads itself
@@ -238,11 +240,13 @@ if HAVE_GLUON:
             stage = i % STAGES
             mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
             acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-            # keeps one wgmma in flight; the previous one (and its A registers) is done after this
-            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-            a_prev = a
+            # Wait for it before the next decode: the wgmma reads its A registers while it runs, and
+            # nothing keeps the compiler from decoding the next step into the same registers (measured:
+            # with one wgmma left in flight the results were corrupted). Decode and MMA overlap across
+            # the 2-4 CTAs that share an SM instead.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             j = i + STAGES - 1
-            if j < n_steps:                                               # refill the stage step i-1 used
+            if j < n_steps:                                               # refill the stage step i - 1 used
                 ps = j % STAGES
                 mbarrier.expect(bars.index(ps), x_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + j) * 64], bars.index(ps),
@@ -250,7 +254,6 @@ if HAVE_GLUON:
             codes = codes_n
             s_lo = s_lo_n
             s_hi = s_hi_n
-        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 

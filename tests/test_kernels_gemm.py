@@ -307,9 +307,10 @@ def test_gluon_config_choices_and_refusals():
 
     for m in (17, 128, 300):
         cands = G.gluon_candidates(m, 4096, 7168)
-        assert cands and all(c.block_m >= min(m, 256) and c.block_m % 16 == 0 for c in cands)
-        tiles = (4096 // 64) * -(-m // min(256, -(-m // 16) * 16))
-        assert any(c.split_k > 1 for c in cands) == (tiles < 132)   # too few row tiles for 132 SMs: split K
+        assert cands and all(c.block_m % 16 == 0 and c.block_m <= 256 for c in cands)
+        assert any(c.block_m >= min(m, 256) for c in cands)          # one CTA column covers all tokens
+    assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 64 row tiles: split K
+    assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448+ tiles
     assert not G.supported("mxfp4", 128, 4096) and not G.supported("nvfp4", 128, 96)
     gen = torch.Generator().manual_seed(_seed())
     w = _weight("mxfp4", 64, 128, gen)
