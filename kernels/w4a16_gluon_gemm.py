@@ -57,7 +57,8 @@ except Exception:  # pragma: no cover - an old Triton: the dispatcher never pick
 @dataclass(frozen=True)
 class GluonGemmConfig:
     """block_n weight rows (64 per warpgroup, the wgmma M side), block_m tokens (the wgmma N side, a
-    multiple of 16 up to 256), stages of the activation ring, split_k over K (last-CTA reduction)."""
+    power of 2 up to 256), stages of the activation ring, split_k over K (fp32 partials summed in split
+    order by a second kernel)."""
     block_n: int = 64
     block_m: int = 128
     stages: int = 4
@@ -76,26 +77,30 @@ def supported(fmt: str, m: int, k: int) -> bool:
 
 
 def _token_block(m: int) -> int:
-    """Tokens per CTA (the wgmma N side): M rounded up to 16, at most 256."""
-    return min(256, max(16, -(-m // 16) * 16))
+    """Tokens per CTA (the wgmma N side; a TMA block side, so a power of 2): 16..256."""
+    return min(256, max(16, triton.next_power_of_2(m)))
+
+
+def _splits(tiles: int, steps: int, sms: int) -> list:
+    """Split-K factors that fill the SMs with one CTA each (the largest that fits one wave) or two."""
+    fits = [sk for sk in (1, 2, 3, 4, 6, 8) if steps >= 4 * sk]
+    one = [sk for sk in fits if tiles * sk <= sms]
+    two = [sk for sk in fits if tiles * sk <= 2 * sms]
+    return sorted({one[-1] if one else 1, two[-1] if two else 1})
 
 
 def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
-    """Configs for the autotuner and the benchmark. Decode and MMA overlap only across the CTAs that share
-    an SM (each warpgroup waits for its wgmma before decoding the next step), so the candidates aim at
-    2-4 CTAs per SM: 64-row tiles (one warpgroup) or 128 (two), all tokens or 64 per CTA, split-K when the
-    tiles alone give fewer than 2 CTAs per SM, 2-4 activation stages."""
-    full = _token_block(m)
+    """Configs for the autotuner and the benchmark. Every weight row tile re-reads all of x from L2, so
+    wide row tiles (up to 256 rows: four warpgroups) cut that traffic; split-K then fills the SMs. Decode
+    and MMA overlap across the warpgroups (and CTAs) that share an SM, because each warpgroup waits for its
+    wgmma before decoding the next step."""
+    bm = _token_block(m)
     out = []
-    for bm in [full] + ([64] if full > 64 else []):
-        for bn, warps in ((64, 4), (128, 8)):
-            tiles = -(-n // bn) * -(-m // bm)
-            splits = [1]
-            if tiles < 2 * sms:
-                splits += [s for s in (2, 4) if tiles * s <= 4 * sms and k // STEP_K >= 4 * s]
-            for st in (2, 3, 4):
-                for sk in splits:
-                    out.append(GluonGemmConfig(bn, bm, st, sk, warps))
+    for bn, warps in ((64, 4), (128, 8), (256, 16)):
+        tiles = -(-n // bn) * -(-m // bm)
+        for sk in _splits(tiles, k // STEP_K, sms):
+            for st in (2, 4):
+                out.append(GluonGemmConfig(bn, bm, st, sk, warps))
     return out
 
 
@@ -184,7 +189,7 @@ if HAVE_GLUON:
         return gl.convert_layout(w, a_layout, assert_trivial=True)
 
     @gluon.jit(do_not_specialize=["M"])
-    def _w4a16_gluon_kernel(x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
+    def _w4a16_gluon_kernel(x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr,
                             M, N, K, stride_wn, stride_sn, stride_ym, acc_factor,
                             BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                             SPLIT_K: gl.constexpr, num_warps: gl.constexpr):
@@ -227,15 +232,21 @@ if HAVE_GLUON:
                                                 x_smem.index(i))
 
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+        # codes and scales run two steps ahead in registers (8 registers per step and thread), which
+        # covers the DRAM latency that one step of decode + MMA does not
         codes = gl.load(w_ptr + w_off + t_begin * 32)
         s_lo = gl.load(s_ptr + s_off + t_begin * 4)
         s_hi = gl.load(s_ptr + s_off + (t_begin * 4 + 1))
+        t1 = gl.minimum(t_begin + 1, t_end - 1)
+        codes_1 = gl.load(w_ptr + w_off + t1 * 32)
+        s_lo_1 = gl.load(s_ptr + s_off + t1 * 4)
+        s_hi_1 = gl.load(s_ptr + s_off + (t1 * 4 + 1))
         for i in range(n_steps):
             t = t_begin + i
-            nxt = gl.minimum(t + 1, t_end - 1)                            # the last step reloads itself
-            codes_n = gl.load(w_ptr + w_off + nxt * 32)
-            s_lo_n = gl.load(s_ptr + s_off + nxt * 4)
-            s_hi_n = gl.load(s_ptr + s_off + (nxt * 4 + 1))
+            nxt = gl.minimum(t + 2, t_end - 1)                            # the last steps reload the last
+            codes_2 = gl.load(w_ptr + w_off + nxt * 32)
+            s_lo_2 = gl.load(s_ptr + s_off + nxt * 4)
+            s_hi_2 = gl.load(s_ptr + s_off + (nxt * 4 + 1))
             a = _decode_a(codes, s_lo, s_hi, BLOCK_N, a_layout)
             stage = i % STAGES
             mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
@@ -251,53 +262,47 @@ if HAVE_GLUON:
                 mbarrier.expect(bars.index(ps), x_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + j) * 64], bars.index(ps),
                                                 x_smem.index(ps))
-            codes = codes_n
-            s_lo = s_lo_n
-            s_hi = s_hi_n
+            codes, codes_1 = codes_1, codes_2
+            s_lo, s_lo_1 = s_lo_1, s_lo_2
+            s_hi, s_hi_1 = s_hi_1, s_hi_2
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
         gs = gl.load(gs_ptr)
         acc = acc * (gs * acc_factor)
+        # int32 offsets inside the tile, one int64 base per tile: 64-bit offsets per element would cost
+        # two registers each (spills with four warpgroups)
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma_layout))
-        offs_m = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma_layout))
+        offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma_layout))
         n2 = gl.expand_dims(offs_n, 1)
         m2 = gl.expand_dims(offs_m, 0)
-        y_mask = (n2 < N) & (m2 < M)
-        y_off = m2.to(gl.int64) * stride_ym + n2
+        y_mask = (n2 < N) & (m2 < M - off_m)
+        y_tile = y_ptr + off_m.to(gl.int64) * stride_ym
+        y_off = m2 * stride_ym + n2
         if SPLIT_K == 1:
-            gl.store(y_ptr + y_off, acc.to(gl.bfloat16), mask=y_mask)
-        else:
-            ws_off = m2.to(gl.int64) * N + n2
-            split_stride = M.to(gl.int64) * N
-            gl.store(ws_ptr + pid_k * split_stride + ws_off, acc, mask=y_mask)
-            gl.thread_barrier()
-            tile = pid_m * gl.num_programs(0) + pid_n
-            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                tot = gl.load(ws_ptr + ws_off, mask=y_mask, other=0.0, cache_modifier=".cg")
-                for sk in gl.static_range(1, SPLIT_K):
-                    tot += gl.load(ws_ptr + sk * split_stride + ws_off, mask=y_mask, other=0.0,
-                                   cache_modifier=".cg")
-                gl.store(y_ptr + y_off, tot.to(gl.bfloat16), mask=y_mask)
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            gl.store(y_tile + y_off, acc.to(gl.bfloat16), mask=y_mask)
+        else:   # fp32 partials, summed in split order by _sum_splits_kernel (an in-kernel last-CTA sum
+            # holds the tile, a partial, offsets and masks at once: 255 registers and spills)
+            ws_tile = ws_ptr + (pid_k * M + off_m).to(gl.int64) * N
+            gl.store(ws_tile + (m2 * N + n2), acc, mask=y_mask)
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _sum_splits_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, n] = bf16(sum over splits of ws[s, m, n]), in split order (deterministic)."""
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    row = m.to(tl.int64) * N
+    acc = tl.load(ws_ptr + row + offs, mask=mask, other=0.0)
+    for sk in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + sk * M.to(tl.int64) * N + row + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs, acc.to(tl.bfloat16), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------
-_COUNTERS: dict = {}
-
-
-def _tile_counters(device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the split-K reduction (each last CTA resets its own)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConfig,
                       out: torch.Tensor) -> torch.Tensor:
     """Run one config on sm_90. x2 [M, K] bf16 contiguous rows, out [M, N] bf16."""
@@ -315,15 +320,14 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
     layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, STEP_K], gl.float16)
     desc = TensorDescriptor.from_tensor(xp, [cfg.block_m, STEP_K], layout)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
-    if cfg.split_k > 1:
-        ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32)
-        cnt = _tile_counters(x2.device, grid[0] * grid[1])
-    else:
-        ws, cnt = out, out
-    _w4a16_gluon_kernel[grid](desc, w.qweight, w.scales, w.global_scale, out, ws, cnt, m, n, k,
+    ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32) if cfg.split_k > 1 else out
+    _w4a16_gluon_kernel[grid](desc, w.qweight, w.scales, w.global_scale, out, ws, m, n, k,
                               w.qweight.stride(0), w.scales.stride(0), out.stride(0), ACC_FACTOR,
                               BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                               SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+    if cfg.split_k > 1:
+        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](ws, out, m, n, out.stride(0), SPLIT_K=cfg.split_k,
+                                                      BLOCK=1024, num_warps=4)
     return out
 
 

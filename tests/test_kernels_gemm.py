@@ -307,10 +307,10 @@ def test_gluon_config_choices_and_refusals():
 
     for m in (17, 128, 300):
         cands = G.gluon_candidates(m, 4096, 7168)
-        assert cands and all(c.block_m % 16 == 0 and c.block_m <= 256 for c in cands)
-        assert any(c.block_m >= min(m, 256) for c in cands)          # one CTA column covers all tokens
-    assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 64 row tiles: split K
-    assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448+ tiles
+        assert cands and all(c.block_m in (32, 128, 256) and c.block_m >= min(m, 256) for c in cands)
+    assert {c.block_n for c in G.gluon_candidates(128, 14336, 4096)} == {64, 128, 256}
+    assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
+    assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
     assert not G.supported("mxfp4", 128, 4096) and not G.supported("nvfp4", 128, 96)
     gen = torch.Generator().manual_seed(_seed())
     w = _weight("mxfp4", 64, 128, gen)
@@ -324,8 +324,8 @@ if DEVICE == "cuda":
 
     @pytest.mark.parametrize("m,n,k,cfg", [
         (128, 192, 512, GluonGemmConfig(64, 128, 3, 1, 4)),
-        (100, 200, 1024, GluonGemmConfig(64, 112, 4, 2, 4)),    # partial row tile, token tile, split-K 2
-        (33, 128, 768, GluonGemmConfig(128, 48, 6, 4, 8)),      # two warpgroups, uneven split-K 4
+        (100, 200, 1024, GluonGemmConfig(64, 128, 4, 2, 4)),    # partial row and token tiles, split-K 2
+        (33, 256, 768, GluonGemmConfig(256, 64, 3, 5, 16)),     # four warpgroups, uneven split-K 5
         (200, 136, 512, GluonGemmConfig(128, 128, 3, 1, 4)),    # 128 rows on one warpgroup, 2 token tiles
         (300, 64, 256, GluonGemmConfig(64, 128, 4, 1, 4)),      # three token tiles, fewer steps than stages
     ], ids=lambda v: v.short() if isinstance(v, GluonGemmConfig) else str(v))
