@@ -97,6 +97,8 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
     bm = _token_block(m)
     out = []
     for bn, warps in ((64, 4), (128, 8), (256, 16)):
+        if bn * bm > 256 * 128:          # > 64 fp32 accumulators per thread at 16 warps: ptxas refuses
+            continue
         tiles = -(-n // bn) * -(-m // bm)
         for sk in _splits(tiles, k // STEP_K, sms):
             for st in (2, 4):

@@ -2,7 +2,8 @@
 # W4A16 kernels on a GPU machine: correctness tests on the device, the benchmark (tools/bench_kernels.py),
 # and optionally (NCU=1) an Nsight Compute profile of a few kernels.
 # Usage (repository root): OUT=results/ bash tools/gpu_kernels.sh [extra bench_kernels.py args]
-# (SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; TEST_K=expr passes -k expr to the GPU tests)
+# (SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; TEST_K=expr passes -k expr to the GPU tests; NCU_KERNELS=regex
+# and NCU_EXTRA="--section ..." narrow or widen the profile)
 # The package is made importable without installing its dependencies (the kernels need torch + triton
 # only): megatron_qrl/ and kernels/ (as megatron_qrl/kernels) are copied into a scratch dir on PYTHONPATH,
 # and the tests run from there (so the checkout's own megatron_qrl/ cannot shadow the copy).
@@ -41,9 +42,9 @@ if [ "${NCU:-0}" = "1" ]; then
   NCU_BIN="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
   if [ -n "$NCU_BIN" ]; then
     timeout "${NCU_TIMEOUT:-120}" "$NCU_BIN" --clock-control none --profile-from-start off --target-processes all \
-      -k regex:"w4a16|moe_gemm|gemv|gemm|nvjet|xmma|cutlass" \
+      -k regex:"${NCU_KERNELS:-w4a16|moe_gemm|gemv|gemm|nvjet|xmma|cutlass}" \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section MemoryWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
       python3 tools/bench_kernels.py --out "$OUT/prof" --profile > "$OUT/ncu.txt" 2>&1
     echo "ncu exit code: $?"
     grep -E "^  [_a-zA-Z].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Issue Slots|Warp Cycles Per Issued|profiled case" "$OUT/ncu.txt" | head -150
