@@ -144,23 +144,47 @@ def logical_from_physical() -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 # The Gluon kernel (sm_90)
 # ----------------------------------------------------------------------------------------------------
-_DECODE_ASM = tl.constexpr("""{
-.reg .b32 t, a, c;
-cvt.u32.u16 t, $2;
-prmt.b32 t, t, 0, 0x1404;
-and.b32 $0, t, 0x8E008E00;
-shr.b32 a, t, 3;
-shl.b32 c, t, 7;
-lop3.b32 $1, a, c, 0x8E008E00, 0xA8;
+# Prepared scale pair (low byte: block of the group's low elements, high byte: its high elements) ->
+# fp16x2 {s_lo * 2^5, s_lo * 2^5} and {s_hi * 2^5, s_hi * 2^5}: a byte b is fp16 bits b << 7 (layouts.py).
+_SCALE_ASM = tl.constexpr("""{
+.reg .b32 s, l, h;
+cvt.u32.u16 s, $2;
+shl.b32 l, s, 7;
+and.b32 l, l, 0x7F80;
+shr.b32 h, s, 1;
+and.b32 h, h, 0x7F80;
+prmt.b32 $0, l, 0, 0x1010;
+prmt.b32 $1, h, 0, 0x1010;
+}""")
+# One 32-bit word of kernel-layout code bytes b0..b3 -> fp16x2 code * 2^-14 of the low elements of b0, b1
+# ($0) and b2, b3 ($1) and of the high elements ($2, $3) (the decode of w4a16_gemm._codes_f16), each times
+# its block scale ($5 low, $6 high; code * 2^-14 * s * 2^5 is exact in fp16).
+_DECODE_WORD_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, c;
+prmt.b32 t0, $4, 0, 0x1404;
+prmt.b32 t1, $4, 0, 0x3424;
+and.b32 $0, t0, 0x8E008E00;
+and.b32 $1, t1, 0x8E008E00;
+shr.b32 a, t0, 3;
+shl.b32 c, t0, 7;
+lop3.b32 $2, a, c, 0x8E008E00, 0xA8;
+shr.b32 a, t1, 3;
+shl.b32 c, t1, 7;
+lop3.b32 $3, a, c, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $0, $0, $5;
+mul.rn.f16x2 $1, $1, $5;
+mul.rn.f16x2 $2, $2, $6;
+mul.rn.f16x2 $3, $3, $6;
 }""")
 
 if HAVE_GLUON:
     @gluon.constexpr_function
-    def _code_layout(block_n, num_warps):
-        """[block_n, 2 (gr), 16 (j)] codes of one step, distributed as the wgmma A fragment wants them:
-        j0..j2 in registers (8 contiguous bytes), j3 and gr on the lane bits t0, t1, rows on g (lane
-        bits 2..4), one register bit (+8) and the warps (16-row slabs)."""
-        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]]
+    def _word_layout(block_n, num_warps):
+        """[block_n, 2 (gr), 4 (word w = j // 4)] 32-bit code words of one step, as the wgmma A fragment
+        wants them: w bit 0 (j2) in a register (two contiguous words, one 8-byte load), w bit 1 (j3) and
+        gr on the lane bits t0, t1, rows on g (lane bits 2..4), one register bit (+8) and the warps
+        (16-row slabs; rows past 64 per warpgroup in more registers)."""
+        reg = [[0, 0, 1], [8, 0, 0]]
         warp = [[16, 0, 0], [32, 0, 0]]
         rows = 64
         w = 4
@@ -171,30 +195,71 @@ if HAVE_GLUON:
         while rows < block_n:
             reg.append([rows, 0, 0])
             rows *= 2
-        lane = [[0, 0, 8], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-        return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, 2, 16])
+        lane = [[0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, 2, 4])
 
     @gluon.jit
-    def _decode_a(codes, s_lo, s_hi, BLOCK_N: gl.constexpr, a_layout: gl.constexpr):
-        """codes [BN, 2, 16] uint8, s_lo / s_hi [BN, 2] prepared scale bytes -> fp16 A [BN, 64] in the
-        wgmma register layout (logical K order)."""
-        lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,h", [codes], dtype=(gl.float16, gl.float16),
-                                           is_pure=True, pack=2)
-        sl = (s_lo.to(gl.int16) << 7).to(gl.float16, bitcast=True)      # s * 2^5, exact
-        sh = (s_hi.to(gl.int16) << 7).to(gl.float16, bitcast=True)
-        w_lo = lo * gl.expand_dims(sl, 2)
-        w_hi = hi * gl.expand_dims(sh, 2)
-        w = gl.join(w_lo, w_hi)                                         # [BN, gr, j, h]
-        w = gl.reshape(w, [BLOCK_N, 2, 2, 2, 2, 2, 2])                  # [BN, gr, j3, j2, j1, j0, h]
-        w = gl.permute(w, [0, 6, 3, 4, 1, 2, 5])                        # A_PERM
-        w = gl.reshape(w, [BLOCK_N, 64])
-        return gl.convert_layout(w, a_layout, assert_trivial=True)
+    def _halves(v):
+        """int32 holding fp16x2 -> (low, high) fp16 (a register split, no arithmetic)."""
+        return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [v],
+                                         dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _decode_a(words, sp, BLOCK_N: gl.constexpr, a_layout: gl.constexpr):
+        """words [BN, 2, 4] int32 (kernel-layout code bytes), sp [BN, 2] int16 (the prepared scale bytes
+        of the group's low | high blocks) -> fp16 A [BN, 64] in the wgmma register layout (logical K
+        order). One inline-PTX routine per word: 4 fp16x2 results, each times its block scale."""
+        sl, sh = gl.inline_asm_elementwise(_SCALE_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        sl = gl.expand_dims(sl, 2)
+        sh = gl.expand_dims(sh, 2)
+        sl, _ = gl.broadcast(sl, words)
+        sh, _ = gl.broadcast(sh, words)
+        d0, d1, d2, d3 = gl.inline_asm_elementwise(_DECODE_WORD_ASM, "=r,=r,=r,=r,r,r,r", [words, sl, sh],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+        # d0 = low elements of bytes 0, 1 (j1 = 0, j0 = 0/1), d1 = bytes 2, 3 (j1 = 1); d2, d3 high
+        d0a, d0b = _halves(d0)
+        d1a, d1b = _halves(d1)
+        d2a, d2b = _halves(d2)
+        d3a, d3b = _halves(d3)
+        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))           # [BN, gr, w, j0, j1]
+        hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
+        a = gl.join(lo, hi)                                            # [BN, gr, w, j0, j1, h]
+        a = gl.reshape(a, [BLOCK_N, 2, 2, 2, 2, 2, 2])                 # [BN, gr, j3, j2, j0, j1, h]
+        a = gl.permute(a, [0, 6, 3, 5, 1, 2, 4])                       # -> [BN, h, j2, j1, gr, j3, j0]
+        a = gl.reshape(a, [BLOCK_N, 64])
+        return gl.convert_layout(a, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_step(i, n_steps, t_begin, words, sp, acc, x_desc, x_smem, bars, off_m,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr):
+        """One 64-wide K step: decode, wait for the activation stage, wgmma, refill the stage step i - 1
+        used."""
+        a = _decode_a(words, sp, BLOCK_N, a_layout)
+        stage = i % STAGES
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        # Wait for it before the next decode: the wgmma reads its A registers while it runs, and nothing
+        # keeps the compiler from decoding the next step into the same registers (measured: with one
+        # wgmma left in flight the results were corrupted). Decode and MMA overlap across the
+        # warpgroups and CTAs that share an SM instead.
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        j = i + STAGES - 1
+        if j < n_steps:
+            ps = j % STAGES
+            mbarrier.expect(bars.index(ps), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + j) * 64], bars.index(ps),
+                                            x_smem.index(ps))
+        return acc
 
     @gluon.jit(do_not_specialize=["M"])
     def _w4a16_gluon_kernel(x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr,
                             M, N, K, stride_wn, stride_sn, stride_ym, acc_factor,
                             BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                             SPLIT_K: gl.constexpr, num_warps: gl.constexpr):
+        """w_ptr: the codes as int32 words ([N, K/8], row stride stride_wn words); s_ptr: the prepared
+        scales as int16 pairs ([N, K/32], stride_sn pairs; pair 2 * step + gr = blocks of group gr)."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
@@ -202,19 +267,19 @@ if HAVE_GLUON:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        c3: gl.constexpr = _code_layout(BLOCK_N, num_warps)
-        s2: gl.constexpr = gl.SliceLayout(2, c3)
+        w3: gl.constexpr = _word_layout(BLOCK_N, num_warps)
+        s2: gl.constexpr = gl.SliceLayout(2, w3)
 
-        # codes: row * stride + 32 * step + 16 * gr + j. Rows past N read row N - 1 (no load masks, so
-        # the loads stay 8-byte vectors); their outputs are masked at the store.
+        # words: row * stride + 8 * step + 4 * gr + w. Rows past N read row N - 1 (no load masks, so the
+        # loads stay 8-byte vectors); their outputs are masked at the store.
         rows = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s2)), N - 1)
         grs = gl.arange(0, 2, gl.SliceLayout(0, s2))
-        js = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, c3)))
+        ws_ = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, w3)))
         rows2 = gl.expand_dims(rows, 1)                                   # [BN, 1] (s2)
         grs2 = gl.expand_dims(grs, 0)                                     # [1, 2] (s2)
-        w_off = gl.expand_dims(rows2.to(gl.int64) * stride_wn + grs2 * 16, 2) \
-            + gl.expand_dims(gl.expand_dims(js, 0), 1)                    # [BN, 2, 16] (c3)
-        s_off = rows2.to(gl.int64) * stride_sn + grs2 * 2                 # [BN, 2]: low block of group gr
+        w_off = gl.expand_dims(rows2.to(gl.int64) * stride_wn + grs2 * 4, 2) \
+            + gl.expand_dims(gl.expand_dims(ws_, 0), 1)                   # [BN, 2, 4] (w3)
+        s_off = rows2.to(gl.int64) * stride_sn + grs2                     # [BN, 2] (s2)
 
         k_steps = K // 64
         per_split = gl.cdiv(k_steps, SPLIT_K)
@@ -234,39 +299,26 @@ if HAVE_GLUON:
                                                 x_smem.index(i))
 
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
-        # codes and scales run two steps ahead in registers (8 registers per step and thread), which
-        # covers the DRAM latency that one step of decode + MMA does not
-        codes = gl.load(w_ptr + w_off + t_begin * 32)
-        s_lo = gl.load(s_ptr + s_off + t_begin * 4)
-        s_hi = gl.load(s_ptr + s_off + (t_begin * 4 + 1))
-        t1 = gl.minimum(t_begin + 1, t_end - 1)
-        codes_1 = gl.load(w_ptr + w_off + t1 * 32)
-        s_lo_1 = gl.load(s_ptr + s_off + t1 * 4)
-        s_hi_1 = gl.load(s_ptr + s_off + (t1 * 4 + 1))
-        for i in range(n_steps):
-            t = t_begin + i
-            nxt = gl.minimum(t + 2, t_end - 1)                            # the last steps reload the last
-            codes_2 = gl.load(w_ptr + w_off + nxt * 32)
-            s_lo_2 = gl.load(s_ptr + s_off + nxt * 4)
-            s_hi_2 = gl.load(s_ptr + s_off + (nxt * 4 + 1))
-            a = _decode_a(codes, s_lo, s_hi, BLOCK_N, a_layout)
-            stage = i % STAGES
-            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-            acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-            # Wait for it before the next decode: the wgmma reads its A registers while it runs, and
-            # nothing keeps the compiler from decoding the next step into the same registers (measured:
-            # with one wgmma left in flight the results were corrupted). Decode and MMA overlap across
-            # the 2-4 CTAs that share an SM instead.
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            j = i + STAGES - 1
-            if j < n_steps:                                               # refill the stage step i - 1 used
-                ps = j % STAGES
-                mbarrier.expect(bars.index(ps), x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + j) * 64], bars.index(ps),
-                                                x_smem.index(ps))
-            codes, codes_1 = codes_1, codes_2
-            s_lo, s_lo_1 = s_lo_1, s_lo_2
-            s_hi, s_hi_1 = s_hi_1, s_hi_2
+        # Two register sets (A: even steps, B: odd), each reloaded right after its decode and used one
+        # loop trip later: a load is never touched (not even copied) in the trip that issued it, so its
+        # DRAM latency hides behind two steps of decode + MMA.
+        w_a = gl.load(w_ptr + w_off + t_begin * 8)
+        s_a = gl.load(s_ptr + s_off + t_begin * 2)
+        tb = gl.minimum(t_begin + 1, t_end - 1)
+        w_b = gl.load(w_ptr + w_off + tb * 8)
+        s_b = gl.load(s_ptr + s_off + tb * 2)
+        for i in range(0, n_steps, 2):
+            acc = _mma_step(i, n_steps, t_begin, w_a, s_a, acc, x_desc, x_smem, bars, off_m,
+                            BLOCK_N, STAGES, a_layout)
+            ta = gl.minimum(t_begin + i + 2, t_end - 1)                   # the last trips reload the last
+            w_a = gl.load(w_ptr + w_off + ta * 8)
+            s_a = gl.load(s_ptr + s_off + ta * 2)
+            if i + 1 < n_steps:
+                acc = _mma_step(i + 1, n_steps, t_begin, w_b, s_b, acc, x_desc, x_smem, bars, off_m,
+                                BLOCK_N, STAGES, a_layout)
+            tb = gl.minimum(t_begin + i + 3, t_end - 1)
+            w_b = gl.load(w_ptr + w_off + tb * 8)
+            s_b = gl.load(s_ptr + s_off + tb * 2)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -323,8 +375,10 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
     desc = TensorDescriptor.from_tensor(xp, [cfg.block_m, STEP_K], layout)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
     ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32) if cfg.split_k > 1 else out
-    _w4a16_gluon_kernel[grid](desc, w.qweight, w.scales, w.global_scale, out, ws, m, n, k,
-                              w.qweight.stride(0), w.scales.stride(0), out.stride(0), ACC_FACTOR,
+    words = w.qweight.view(torch.int32)                      # [N, K/8]; K % 64 == 0 keeps rows aligned
+    pairs = w.scales.view(torch.int16)                       # [N, K/32]
+    _w4a16_gluon_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
+                              words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
                               BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                               SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
     if cfg.split_k > 1:
