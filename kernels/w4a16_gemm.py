@@ -54,12 +54,16 @@ from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
 from .rounding import _cast_out, _to_bf16
 from .tiling import split_k_for
 from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
-from .w4a16_gluon_gemm import GluonGemmConfig, gluon_candidates, launch_gluon_gemm
+from .w4a16_gluon_gemm import GluonGemmConfig, default_gluon_config, gluon_candidates, launch_gluon_gemm
 from .w4a16_gluon_gemm import supported as gluon_supported
 from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_gemv, mma_gemv_candidates,
                              mma_gemv_supported)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# NVFP4 above this M goes to the Gluon register-A wgmma kernel (measured faster at M = 128 and 512 on the
+# H200; M = 32 stays on the Triton wgmma kernel; M = 64 was not measured: docs/PERF.md)
+GLUON_MIN_M = 64
+_GLUON_BROKEN = False   # set once if the Gluon kernel fails to build here (another Triton): fall back
 
 X_SHIFT = 8          # fp16 path: x is fed as x * 2^-8
 W_SHIFT = 5          # fp16 path: the E4M3 scale is applied as s * 2^5 (exact in fp16)
@@ -365,6 +369,8 @@ def heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAUL
         return make_gemv_config(m, n, k, sms, bn, g, per_sm, prefetch=pf)
     if mma_gemv_supported(fmt, m, k) and gemv_bucket(m) in _MMA_GEMV_BUCKETS:
         return default_mma_gemv_config(m, n, k, sms)
+    if m > GLUON_MIN_M and gluon_supported(fmt, m, k) and not _GLUON_BROKEN:
+        return default_gluon_config(m, n, k, sms)
     return dot_heuristic_config(fmt, m, n, k, sms)
 
 
@@ -582,6 +588,25 @@ def _launch(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tensor) -> t
     return launch_w4a16(x2, w, cfg, out)
 
 
+def _launch_default(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tensor) -> torch.Tensor:
+    """`_launch` for a config the library chose: a Gluon kernel that cannot be built by this Triton
+    (Gluon is experimental and its API moves between releases) is reported once and replaced by the
+    Triton wgmma kernel for the rest of the process."""
+    global _GLUON_BROKEN
+    if not isinstance(cfg, GluonGemmConfig):
+        return _launch(x2, w, cfg, out)
+    try:
+        return _launch(x2, w, cfg, out)
+    except (triton.CompilationError, AttributeError, TypeError, ImportError) as e:
+        import warnings
+
+        _GLUON_BROKEN = True
+        warnings.warn(f"W4A16: the Gluon kernel does not build with Triton {triton.__version__} "
+                      f"({type(e).__name__}: {str(e)[:200]}); using the Triton wgmma kernel instead")
+        m, k = x2.shape
+        return _launch(x2, w, dot_heuristic_config(w.fmt, m, w.n, k, _num_sms(x2.device)), out)
+
+
 def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Tensor] = None,
                config: Optional[Union[GemmConfig, GemvConfig, MmaGemvConfig, GluonGemmConfig]] = None,
                autotune: Optional[bool] = None) -> torch.Tensor:
@@ -607,6 +632,7 @@ def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Ten
         out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
     if m == 0:
         return out.reshape(*lead, w.n).to(x.dtype)
+    chosen = config is None
     cfg = config or select_config(w, m, x.device, autotune, x2)
     if isinstance(cfg, (GemvConfig, MmaGemvConfig)) and out.stride(-1) != 1:
         raise ValueError("the GEMV kernels need an output with unit inner stride")
@@ -615,7 +641,7 @@ def w4a16_gemm(x: torch.Tensor, w: PreparedFP4Weight, *, out: Optional[torch.Ten
             cfg = replace(cfg, fp16_dot=False)
         if w.k % cfg.block_k:
             raise ValueError(f"config block_k={cfg.block_k} does not divide K={w.k}")
-    _launch(x2, w, cfg, out)
+    (_launch_default if chosen else _launch)(x2, w, cfg, out)
     y = out.reshape(*lead, w.n)
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 

@@ -81,6 +81,17 @@ def _token_block(m: int) -> int:
     return min(256, max(16, triton.next_power_of_2(m)))
 
 
+def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
+    """The measured defaults (H200, docs/PERF.md): all tokens of up to 128 in one CTA column with 128 weight
+    rows (two warpgroups), 256-token columns with 64 rows beyond; split-K up to ~2 CTAs per SM (two CTAs
+    per SM overlap one's decode with the other's MMA); 2 activation stages."""
+    bm = _token_block(m)
+    bn, warps = (128, 8) if bm <= 128 else (64, 4)
+    tiles = -(-n // bn) * -(-m // bm)
+    sk = max([s for s in (1, 2, 4, 8) if tiles * s <= 2 * sms and k // STEP_K >= 4 * s] or [1])
+    return GluonGemmConfig(bn, bm, 2, sk, warps)
+
+
 def _splits(tiles: int, steps: int, sms: int) -> list:
     """Split-K factors that fill the SMs with one CTA each (the largest that fits one wave) or two."""
     fits = [sk for sk in (1, 2, 3, 4, 6, 8) if steps >= 4 * sk]
@@ -95,7 +106,7 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
     and MMA overlap across the warpgroups (and CTAs) that share an SM, because each warpgroup waits for its
     wgmma before decoding the next step."""
     bm = _token_block(m)
-    out = []
+    out = [default_gluon_config(m, n, k, sms)]
     for bn, warps in ((64, 4), (128, 8), (256, 16)):
         if bn * bm > 256 * 128:          # > 64 fp32 accumulators per thread at 16 warps: ptxas refuses
             continue
@@ -103,7 +114,7 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         for sk in _splits(tiles, k // STEP_K, sms):
             for st in (2, 4):
                 out.append(GluonGemmConfig(bn, bm, st, sk, warps))
-    return out
+    return list(dict.fromkeys(out))
 
 
 # ----------------------------------------------------------------------------------------------------

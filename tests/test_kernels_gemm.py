@@ -30,6 +30,7 @@ from megatron_qrl.kernels.moe_grouped_gemm import (MoEConfig, heuristic_moe_conf
 from megatron_qrl.kernels.w4a16_gemm import (GemmConfig, candidate_configs, dot_heuristic_config,  # noqa: E402
                                              heuristic_config, w4a16_gemm, w4a16_gemm_reference)
 from megatron_qrl.kernels.w4a16_gemv import GemvConfig  # noqa: E402
+from megatron_qrl.kernels.w4a16_gluon_gemm import GluonGemmConfig, gluon_candidates  # noqa: E402
 from megatron_qrl.kernels.w4a16_mma_gemv import MmaGemvConfig, launch_mma_gemv  # noqa: E402
 from megatron_qrl.quant import mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 
@@ -199,14 +200,19 @@ def test_gemv_matches_reference(m, n, k, cfg):
 
 def test_gemv_is_the_default_for_small_m_and_exact_on_identity():
     """Dispatch: NVFP4 at M = 1 goes to the CUDA-core GEMV (GemvConfig), M = 2..8 to the MMA GEMV when
-    K % 128 == 0, larger M (and MXFP4) to the wgmma kernel; x = rows of I reproduce the dequantized weight
+    K % 128 == 0, M = 9..64 (and MXFP4) to the wgmma kernel, M > 64 on a GPU to the Gluon kernel (the
+    interpreter has no Gluon path: the wgmma kernel); x = rows of I reproduce the dequantized weight
     (fp16 products of exact codes, one bf16 rounding)."""
     assert isinstance(heuristic_config("nvfp4", 1, 14336, 4096), GemvConfig)
     for m in (2, 3, 8):
         assert isinstance(heuristic_config("nvfp4", m, 14336, 4096), MmaGemvConfig)
     assert isinstance(heuristic_config("nvfp4", 2, 64, 96), GemmConfig)          # K % 128 != 0
     assert isinstance(heuristic_config("nvfp4", 9, 14336, 4096), GemmConfig)
-    assert isinstance(heuristic_config("nvfp4", 128, 14336, 4096), GemmConfig)
+    assert isinstance(heuristic_config("nvfp4", 64, 14336, 4096), GemmConfig)
+    big = GluonGemmConfig if DEVICE == "cuda" else GemmConfig
+    assert isinstance(heuristic_config("nvfp4", 65, 14336, 4096), big)
+    assert isinstance(heuristic_config("nvfp4", 128, 14336, 4096), big)
+    assert isinstance(heuristic_config("mxfp4", 128, 14336, 4096), GemmConfig)
     assert isinstance(heuristic_config("mxfp4", 1, 14336, 4096), GemmConfig)
     assert any(isinstance(c, GemvConfig) for c in candidate_configs("nvfp4", 4, 4096, 7168))
     gen = torch.Generator().manual_seed(_seed())
@@ -311,6 +317,10 @@ def test_gluon_config_choices_and_refusals():
     assert {c.block_n for c in G.gluon_candidates(128, 14336, 4096)} == {64, 128, 256}
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
+    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 2, 2, 8)   # 224 CTAs
+    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 2, 8, 8)    # 256 CTAs
+    assert G.default_gluon_config(512, 14336, 4096) == GluonGemmConfig(64, 256, 2, 1, 4)
+    assert G.default_gluon_config(128, 14336, 4096) in G.gluon_candidates(128, 14336, 4096)
     assert not G.supported("mxfp4", 128, 4096) and not G.supported("nvfp4", 128, 96)
     gen = torch.Generator().manual_seed(_seed())
     w = _weight("mxfp4", 64, 128, gen)
@@ -320,8 +330,6 @@ def test_gluon_config_choices_and_refusals():
 
 
 if DEVICE == "cuda":
-    from megatron_qrl.kernels.w4a16_gluon_gemm import GluonGemmConfig, gluon_candidates  # noqa: E402
-
     @pytest.mark.parametrize("m,n,k,cfg", [
         (128, 192, 512, GluonGemmConfig(64, 128, 3, 1, 4)),
         (100, 200, 1024, GluonGemmConfig(64, 128, 4, 2, 4)),    # partial row and token tiles, split-K 2
