@@ -64,8 +64,12 @@ class GluonGemmConfig:
     stages: int = 4
     split_k: int = 1
     num_warps: int = 4
+    ws: bool = False          # warp-specialized: a TMA producer warp and block_n / 64 consumer warpgroups
+    ctas_per_sm: int = 1      # ws: the register budget is split for this many resident CTAs
 
     def short(self) -> str:
+        if self.ws:
+            return f"GW{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/c{self.ctas_per_sm}"
         return f"G{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/w{self.num_warps}"
 
 
@@ -114,6 +118,14 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         for sk in _splits(tiles, k // STEP_K, sms):
             for st in (2, 4):
                 out.append(GluonGemmConfig(bn, bm, st, sk, warps))
+    # warp-specialized: one CTA per SM (its register file split over 2-4 consumer warpgroups and the
+    # producer), split-K up to one wave
+    steps = k // STEP_K
+    for bn in ((128, 192, 256) if bm <= 128 else (128,)):
+        tiles = -(-n // bn) * -(-m // bm)
+        sk = ([s for s in (1, 2, 3, 4, 6, 8) if tiles * s <= sms and steps >= 4 * s] or [1])[-1]
+        for st in (3, 6):
+            out.append(GluonGemmConfig(bn, bm, st, sk, 4, ws=True, ctas_per_sm=1))
     return list(dict.fromkeys(out))
 
 
@@ -352,6 +364,137 @@ if HAVE_GLUON:
             gl.store(ws_tile + (m2 * N + n2), acc, mask=y_mask)
 
 
+if HAVE_GLUON:
+    @gluon.jit
+    def _ws_producer(x_desc, x_smem, ready, empty, off_m, t_begin, n_steps, STAGES: gl.constexpr):
+        """One warp: streams the activation tiles of the CTA's K range through the stage ring."""
+        for i in range(n_steps):
+            stage = i % STAGES
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)   # all consumers released it
+            mbarrier.expect(ready.index(stage), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + i) * 64], ready.index(stage),
+                                            x_smem.index(stage))
+
+    @gluon.jit
+    def _ws_consumer(row0, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn, stride_sn, stride_ym,
+                     acc_factor, off_m, pid_k, t_begin, t_end, x_smem, ready, empty,
+                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
+        """One warpgroup: 64 weight rows from row0 over the CTA's K range, then their outputs."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        w3: gl.constexpr = _word_layout(64, 4)
+        s2: gl.constexpr = gl.SliceLayout(2, w3)
+        rows = gl.minimum(row0 + gl.arange(0, 64, gl.SliceLayout(1, s2)), N - 1)
+        grs = gl.arange(0, 2, gl.SliceLayout(0, s2))
+        ws_ = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, w3)))
+        rows2 = gl.expand_dims(rows, 1)
+        grs2 = gl.expand_dims(grs, 0)
+        w_off = gl.expand_dims(rows2.to(gl.int64) * stride_wn + grs2 * 4, 2) \
+            + gl.expand_dims(gl.expand_dims(ws_, 0), 1)
+        s_off = rows2.to(gl.int64) * stride_sn + grs2
+        n_steps = t_end - t_begin
+
+        acc = gl.zeros([64, BLOCK_M], gl.float32, mma_layout)
+        w_a = gl.load(w_ptr + w_off + t_begin * 8)
+        s_a = gl.load(s_ptr + s_off + t_begin * 2)
+        tb = gl.minimum(t_begin + 1, t_end - 1)
+        w_b = gl.load(w_ptr + w_off + tb * 8)
+        s_b = gl.load(s_ptr + s_off + tb * 2)
+        for i in range(0, n_steps, 2):
+            acc = _ws_step(i, w_a, s_a, acc, x_smem, ready, empty, STAGES, a_layout)
+            ta = gl.minimum(t_begin + i + 2, t_end - 1)
+            w_a = gl.load(w_ptr + w_off + ta * 8)
+            s_a = gl.load(s_ptr + s_off + ta * 2)
+            if i + 1 < n_steps:
+                acc = _ws_step(i + 1, w_b, s_b, acc, x_smem, ready, empty, STAGES, a_layout)
+            tb = gl.minimum(t_begin + i + 3, t_end - 1)
+            w_b = gl.load(w_ptr + w_off + tb * 8)
+            s_b = gl.load(s_ptr + s_off + tb * 2)
+
+        gs = gl.load(gs_ptr)
+        acc = acc * (gs * acc_factor)
+        offs_n = row0 + gl.arange(0, 64, gl.SliceLayout(1, mma_layout))
+        offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma_layout))
+        n2 = gl.expand_dims(offs_n, 1)
+        m2 = gl.expand_dims(offs_m, 0)
+        y_mask = (n2 < N) & (m2 < M - off_m)
+        if SPLIT_K == 1:
+            gl.store(y_ptr + off_m.to(gl.int64) * stride_ym + (m2 * stride_ym + n2), acc.to(gl.bfloat16),
+                     mask=y_mask)
+        else:
+            gl.store(ws_ptr + (pid_k * M + off_m).to(gl.int64) * N + (m2 * N + n2), acc, mask=y_mask)
+
+    @gluon.jit
+    def _ws_step(i, words, sp, acc, x_smem, ready, empty, STAGES: gl.constexpr, a_layout: gl.constexpr):
+        a = _decode_a(words, sp, 64, a_layout)
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))    # see _mma_step
+        mbarrier.arrive(empty.index(stage), count=1)
+        return acc
+
+    @gluon.jit
+    def _ws_partition(ROLE: gl.constexpr, args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                      SPLIT_K: gl.constexpr):
+        """ROLE -1: the TMA producer; ROLE c >= 0: consumer warpgroup c (rows c * 64 .. c * 64 + 63 of the
+        CTA's tile). One function for all partitions: Gluon wants one signature for the workers."""
+        (x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn, stride_sn, stride_ym, acc_factor,
+         tile_row0, off_m, pid_k, t_begin, t_end, x_smem, ready, empty) = args
+        if ROLE < 0:
+            _ws_producer(x_desc, x_smem, ready, empty, off_m, t_begin, t_end - t_begin, STAGES)
+        else:
+            _ws_consumer(tile_row0 + ROLE * 64, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn,
+                         stride_sn, stride_ym, acc_factor, off_m, pid_k, t_begin, t_end, x_smem, ready,
+                         empty, BLOCK_M, STAGES, SPLIT_K)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _w4a16_gluon_ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr,
+                               M, N, K, stride_wn, stride_sn, stride_ym, acc_factor,
+                               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
+                               CONSUMERS: gl.constexpr, REGS: gl.constexpr):
+        """Warp-specialized variant: no CTA-wide barriers in the main loop, so the consumer warpgroups
+        drift apart and one decodes while another's wgmma runs. Arguments as _w4a16_gluon_kernel."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        k_steps = K // 64
+        per_split = gl.cdiv(k_steps, SPLIT_K)
+        t_begin = pid_k * per_split
+        t_end = gl.minimum(t_begin + per_split, k_steps)
+        off_m = pid_m * BLOCK_M
+        x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 64], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
+        args = (x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn, stride_sn, stride_ym,
+                acc_factor, pid_n * (CONSUMERS * 64), off_m, pid_k, t_begin, t_end, x_smem, ready, empty)
+        if CONSUMERS == 1:
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K))], [1], [24])
+        elif CONSUMERS == 2:
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K)),
+                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K))], [1, 4], [24, REGS])
+        elif CONSUMERS == 3:
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K)),
+                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (2, args, BLOCK_M, STAGES, SPLIT_K))],
+                               [1, 4, 4], [24, REGS, REGS])
+        else:
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K)),
+                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (2, args, BLOCK_M, STAGES, SPLIT_K)),
+                                (_ws_partition, (3, args, BLOCK_M, STAGES, SPLIT_K))], [1, 4, 4, 4], [24, REGS, REGS, REGS])
+
+
+def ws_registers(consumers: int, ctas_per_sm: int) -> tuple:
+    """(maxnreg at launch, registers per consumer warpgroup after reallocation): the register file (64K)
+    split over ctas_per_sm CTAs of consumers + 1 warpgroups, the producer's down to 24."""
+    maxnreg = min(256, 65536 // (ctas_per_sm * (consumers + 1) * 128)) // 8 * 8
+    regs = min(240, (maxnreg * (consumers + 1) - 24) // consumers // 8 * 8)
+    return maxnreg, regs
+
+
 @triton.jit(do_not_specialize=["M", "N"])
 def _sum_splits_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """y[m, n] = bf16(sum over splits of ws[s, m, n]), in split order (deterministic)."""
@@ -388,10 +531,18 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
     ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32) if cfg.split_k > 1 else out
     words = w.qweight.view(torch.int32)                      # [N, K/8]; K % 64 == 0 keeps rows aligned
     pairs = w.scales.view(torch.int16)                       # [N, K/32]
-    _w4a16_gluon_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
-                              words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
-                              BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                              SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+    if cfg.ws:
+        consumers = cfg.block_n // 64
+        maxnreg, regs = ws_registers(consumers, cfg.ctas_per_sm)
+        _w4a16_gluon_ws_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
+                                     words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
+                                     BLOCK_M=cfg.block_m, STAGES=cfg.stages, SPLIT_K=cfg.split_k,
+                                     CONSUMERS=consumers, REGS=regs, num_warps=4, maxnreg=maxnreg)
+    else:
+        _w4a16_gluon_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
+                                  words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
+                                  BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                                  SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024), m)](ws, out, m, n, out.stride(0), SPLIT_K=cfg.split_k,
                                                       BLOCK=1024, num_warps=4)

@@ -336,6 +336,10 @@ if DEVICE == "cuda":
         (33, 256, 768, GluonGemmConfig(256, 64, 3, 5, 16)),     # four warpgroups, uneven split-K 5
         (200, 136, 512, GluonGemmConfig(128, 128, 3, 1, 4)),    # 128 rows on one warpgroup, 2 token tiles
         (300, 64, 256, GluonGemmConfig(64, 128, 4, 1, 4)),      # three token tiles, fewer steps than stages
+        (128, 256, 512, GluonGemmConfig(128, 128, 3, 1, 4, ws=True)),   # producer warp + 2 consumers
+        (100, 200, 1024, GluonGemmConfig(192, 128, 6, 3, 4, ws=True)),  # 3 consumers, partial tiles, split 3
+        (33, 256, 768, GluonGemmConfig(256, 64, 3, 5, 4, ws=True)),     # 4 consumers, uneven split-K 5
+        (300, 128, 256, GluonGemmConfig(128, 256, 3, 1, 4, ws=True)),   # 256-token tiles, 4 steps
     ], ids=lambda v: v.short() if isinstance(v, GluonGemmConfig) else str(v))
     def test_gluon_gemm_matches_reference_gpu(m, n, k, cfg):
         _check_configs(m, n, k, [cfg], deterministic=True)
