@@ -314,7 +314,8 @@ def test_gluon_config_choices_and_refusals():
     for m in (17, 128, 300):
         cands = G.gluon_candidates(m, 4096, 7168)
         assert cands and all(c.block_m in (32, 128, 256) and c.block_m >= min(m, 256) for c in cands)
-    assert {c.block_n for c in G.gluon_candidates(128, 14336, 4096)} == {64, 128, 256}
+    assert {c.block_n for c in G.gluon_candidates(128, 14336, 4096)} == {64, 128, 192, 256}
+    assert any(c.ws for c in G.gluon_candidates(128, 14336, 4096))
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
     assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 2, 2, 8)   # 224 CTAs
