@@ -92,6 +92,9 @@ def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmCon
     by 1.04-1.36x."""
     bm = _token_block(m)
     tiles = -(-n // 128) * -(-m // bm)
+    if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
+        sk = max([s for s in (1, 2, 4, 8) if tiles * s <= 2 * sms and k // STEP_K >= 4 * s] or [1])
+        return GluonGemmConfig(128, bm, 2, sk, 8)
     sk = ([s for s in (1, 2, 3, 4, 6, 8) if tiles * s <= sms and k // STEP_K >= 4 * s] or [1])[-1]
     return GluonGemmConfig(128, bm, 3, sk, 4, ws=True, ctas_per_sm=1)
 
@@ -118,10 +121,10 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         for sk in _splits(tiles, k // STEP_K, sms):
             for st in (2, 4):
                 out.append(GluonGemmConfig(bn, bm, st, sk, warps))
-    # warp-specialized: one CTA per SM (its register file split over 2-4 consumer warpgroups and the
-    # producer), split-K up to one wave
+    # warp-specialized (K % 128 == 0): one CTA per SM (its register file split over 2 or 3 consumer
+    # warpgroups and the producer; 4 spill), split-K up to one wave
     steps = k // STEP_K
-    for bn in ((128, 192, 256) if bm <= 128 else (128,)):
+    for bn in ((128, 192) if bm <= 128 and k % 128 == 0 else (128,) if k % 128 == 0 else ()):
         tiles = -(-n // bn) * -(-m // bm)
         sk = ([s for s in (1, 2, 3, 4, 6, 8) if tiles * s <= sms and steps >= 4 * s] or [1])[-1]
         for st in (3, 6):
@@ -396,21 +399,37 @@ if HAVE_GLUON:
         n_steps = t_end - t_begin
 
         acc = gl.zeros([64, BLOCK_M], gl.float32, mma_layout)
-        w_a = gl.load(w_ptr + w_off + t_begin * 8)
-        s_a = gl.load(s_ptr + s_off + t_begin * 2)
-        tb = gl.minimum(t_begin + 1, t_end - 1)
-        w_b = gl.load(w_ptr + w_off + tb * 8)
-        s_b = gl.load(s_ptr + s_off + tb * 2)
-        for i in range(0, n_steps, 2):
-            acc = _ws_step(i, w_a, s_a, acc, x_smem, ready, empty, STAGES, a_layout)
-            ta = gl.minimum(t_begin + i + 2, t_end - 1)
-            w_a = gl.load(w_ptr + w_off + ta * 8)
-            s_a = gl.load(s_ptr + s_off + ta * 2)
-            if i + 1 < n_steps:
-                acc = _ws_step(i + 1, w_b, s_b, acc, x_smem, ready, empty, STAGES, a_layout)
-            tb = gl.minimum(t_begin + i + 3, t_end - 1)
-            w_b = gl.load(w_ptr + w_off + tb * 8)
-            s_b = gl.load(s_ptr + s_off + tb * 2)
+        # Steps go in pairs: both are decoded, then their 8 wgmmas run as one batch and are waited for
+        # once (half the fixed wait latency per step; the two A tiles are live together, so distinct
+        # registers). Two pairs of register sets (A: steps 4q, 4q+1; B: 4q+2, 4q+3) are each reloaded
+        # right after use, as in _w4a16_gluon_kernel. The host gives every split an even step count.
+        w_a0 = gl.load(w_ptr + w_off + t_begin * 8)
+        s_a0 = gl.load(s_ptr + s_off + t_begin * 2)
+        t = gl.minimum(t_begin + 1, t_end - 1)
+        w_a1 = gl.load(w_ptr + w_off + t * 8)
+        s_a1 = gl.load(s_ptr + s_off + t * 2)
+        t = gl.minimum(t_begin + 2, t_end - 1)
+        w_b0 = gl.load(w_ptr + w_off + t * 8)
+        s_b0 = gl.load(s_ptr + s_off + t * 2)
+        t = gl.minimum(t_begin + 3, t_end - 1)
+        w_b1 = gl.load(w_ptr + w_off + t * 8)
+        s_b1 = gl.load(s_ptr + s_off + t * 2)
+        for i in range(0, n_steps, 4):
+            acc = _ws_pair(i, w_a0, s_a0, w_a1, s_a1, acc, x_smem, ready, empty, STAGES, a_layout)
+            t = gl.minimum(t_begin + i + 4, t_end - 1)
+            w_a0 = gl.load(w_ptr + w_off + t * 8)
+            s_a0 = gl.load(s_ptr + s_off + t * 2)
+            t = gl.minimum(t_begin + i + 5, t_end - 1)
+            w_a1 = gl.load(w_ptr + w_off + t * 8)
+            s_a1 = gl.load(s_ptr + s_off + t * 2)
+            if i + 2 < n_steps:
+                acc = _ws_pair(i + 2, w_b0, s_b0, w_b1, s_b1, acc, x_smem, ready, empty, STAGES, a_layout)
+            t = gl.minimum(t_begin + i + 6, t_end - 1)
+            w_b0 = gl.load(w_ptr + w_off + t * 8)
+            s_b0 = gl.load(s_ptr + s_off + t * 2)
+            t = gl.minimum(t_begin + i + 7, t_end - 1)
+            w_b1 = gl.load(w_ptr + w_off + t * 8)
+            s_b1 = gl.load(s_ptr + s_off + t * 2)
 
         gs = gl.load(gs_ptr)
         acc = acc * (gs * acc_factor)
@@ -426,13 +445,19 @@ if HAVE_GLUON:
             gl.store(ws_ptr + (pid_k * M + off_m).to(gl.int64) * N + (m2 * N + n2), acc, mask=y_mask)
 
     @gluon.jit
-    def _ws_step(i, words, sp, acc, x_smem, ready, empty, STAGES: gl.constexpr, a_layout: gl.constexpr):
-        a = _decode_a(words, sp, 64, a_layout)
-        stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))    # see _mma_step
-        mbarrier.arrive(empty.index(stage), count=1)
+    def _ws_pair(i, w0, s0, w1, s1, acc, x_smem, ready, empty, STAGES: gl.constexpr, a_layout: gl.constexpr):
+        """Steps i and i + 1: decode both, two wgmma batches, one wait, release both stages."""
+        a0 = _decode_a(w0, s0, 64, a_layout)
+        a1 = _decode_a(w1, s1, 64, a_layout)
+        st0 = i % STAGES
+        st1 = (i + 1) % STAGES
+        mbarrier.wait(ready.index(st0), (i // STAGES) & 1)
+        acc = warpgroup_mma(a0, x_smem.index(st0).permute((1, 0)), acc, is_async=True)
+        mbarrier.wait(ready.index(st1), ((i + 1) // STAGES) & 1)
+        acc = warpgroup_mma(a1, x_smem.index(st1).permute((1, 0)), acc, is_async=True)
+        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))    # see _mma_step
+        mbarrier.arrive(empty.index(st0), count=1)
+        mbarrier.arrive(empty.index(st1), count=1)
         return acc
 
     @gluon.jit
@@ -459,9 +484,9 @@ if HAVE_GLUON:
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
-        k_steps = K // 64
-        per_split = gl.cdiv(k_steps, SPLIT_K)
-        t_begin = pid_k * per_split
+        k_steps = K // 64                                  # even (K % 128 == 0), and so is every split
+        per_split = 2 * gl.cdiv(k_steps // 2, SPLIT_K)
+        t_begin = gl.minimum(pid_k * per_split, k_steps)
         t_end = gl.minimum(t_begin + per_split, k_steps)
         off_m = pid_m * BLOCK_M
         x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 64], x_desc.layout)
@@ -532,6 +557,9 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
     words = w.qweight.view(torch.int32)                      # [N, K/8]; K % 64 == 0 keeps rows aligned
     pairs = w.scales.view(torch.int16)                       # [N, K/32]
     if cfg.ws:
+        if k % 128:
+            raise ValueError(f"the warp-specialized Gluon kernel needs K % 128 == 0 (got K = {k}); use a "
+                             f"GluonGemmConfig with ws=False")
         consumers = cfg.block_n // 64
         maxnreg, regs = ws_registers(consumers, cfg.ctas_per_sm)
         _w4a16_gluon_ws_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,

@@ -315,6 +315,8 @@ def test_gluon_config_choices_and_refusals():
         cands = G.gluon_candidates(m, 4096, 7168)
         assert cands and all(c.block_m in (32, 128, 256) and c.block_m >= min(m, 256) for c in cands)
     assert {c.block_n for c in G.gluon_candidates(128, 14336, 4096)} == {64, 128, 192, 256}
+    assert not any(c.ws for c in G.gluon_candidates(128, 4096, 4160))           # odd step count: no pairs
+    assert not G.default_gluon_config(128, 4096, 4160).ws
     assert any(c.ws for c in G.gluon_candidates(128, 14336, 4096))
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
