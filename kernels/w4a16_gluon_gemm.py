@@ -88,15 +88,15 @@ def _token_block(m: int) -> int:
 def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
     """The measured default (H200, docs/PERF.md): the warp-specialized kernel with two consumer
     warpgroups (128 weight rows) and all tokens of up to 128 (else 256) in one CTA column, one CTA per SM,
-    split-K up to one wave, 3 activation stages. At M = 128 and 512 it beat the non-specialized variants
-    by 1.04-1.36x."""
+    split-K up to one wave, 6 activation stages. At M = 128 and 512 it beat the non-specialized variants
+    by 1.06-1.36x."""
     bm = _token_block(m)
     tiles = -(-n // 128) * -(-m // bm)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
         sk = max([s for s in (1, 2, 4, 8) if tiles * s <= 2 * sms and k // STEP_K >= 4 * s] or [1])
         return GluonGemmConfig(128, bm, 2, sk, 8)
     sk = ([s for s in (1, 2, 3, 4, 6, 8) if tiles * s <= sms and k // STEP_K >= 4 * s] or [1])[-1]
-    return GluonGemmConfig(128, bm, 3, sk, 4, ws=True, ctas_per_sm=1)
+    return GluonGemmConfig(128, bm, 6, sk, 4, ws=True, ctas_per_sm=1)
 
 
 def _splits(tiles: int, steps: int, sms: int) -> list:

@@ -321,9 +321,9 @@ def test_gluon_config_choices_and_refusals():
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
     ws = dict(ws=True, ctas_per_sm=1)
-    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 3, 1, 4, **ws)   # 112 CTAs
-    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 3, 4, 4, **ws)    # 128 CTAs
-    assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 256, 3, 2, 4, **ws)
+    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 6, 1, 4, **ws)   # 112 CTAs
+    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 6, 4, 4, **ws)    # 128 CTAs
+    assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 256, 6, 2, 4, **ws)
     assert G.ws_registers(2, 1) == (168, 240) and G.ws_registers(4, 1) == (96, 112)
     assert G.default_gluon_config(128, 14336, 4096) in G.gluon_candidates(128, 14336, 4096)
     assert not G.supported("mxfp4", 128, 4096) and not G.supported("nvfp4", 128, 96)
