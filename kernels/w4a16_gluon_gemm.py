@@ -3,10 +3,14 @@ y[M, N] = x[M, K] (bf16) @ dequant(W)[N, K]^T for M of a few dozen to a few hund
 
 Why: the Triton wgmma kernel (w4a16_gemm.py) decodes each FP4 tile into registers, stores it to shared
 memory and feeds the wgmma from there, one K step after another; at M = 128 it reaches 0.52x bf16 cuBLAS on
-an H200 (docs/PERF.md). Here the computation is swapped, y^T = W x^T: the decoded weight tile is the wgmma's
-A operand straight from registers (no shared-memory round trip for the weights), the activations are its B
-operand, streamed by TMA through a ring of shared-memory stages, and the wgmma of one K step runs
-asynchronously while the warps decode the next.
+an H200. Here the computation is swapped, y^T = W x^T: the decoded weight tile is the wgmma's A operand
+straight from registers (no shared-memory round trip for the weights), and the activations are its B
+operand, streamed by TMA through a ring of shared-memory stages. The default is warp-specialized
+(`_w4a16_gluon_ws_kernel`): a producer warp issues the TMA loads and 2-3 consumer warpgroups of 64 weight
+rows each decode and multiply, so one consumer decodes while another's wgmma runs. A warpgroup waits for its
+own wgmma before decoding again: the compiler does not know that an in-flight wgmma still reads its A
+registers (measured: with one left in flight the next decode overwrote them). On the H200 this gives
+0.72-0.79x bf16 at M = 128 and is the NVFP4 default from M = 48 (docs/PERF.md).
 
 Register A has a fixed hardware layout: in each k16 slice, lane (g, t) of a warp holds K positions
 2t, 2t+1, 2t+8, 2t+9. A K order that the MMA sums over is free as long as A and B agree, so each lane
@@ -65,7 +69,8 @@ class GluonGemmConfig:
     split_k: int = 1
     num_warps: int = 4
     ws: bool = False          # warp-specialized: a TMA producer warp and block_n / 64 consumer warpgroups
-    ctas_per_sm: int = 1      # ws: the register budget is split for this many resident CTAs
+    ctas_per_sm: int = 1      # ws: the register budget is split for this many resident CTAs (2 leaves too
+    #                           few registers for a wgmma with 2+ consumers: ptxas refuses, launch says so)
 
     def short(self) -> str:
         if self.ws:
@@ -88,8 +93,8 @@ def _token_block(m: int) -> int:
 def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
     """The measured default (H200, docs/PERF.md): the warp-specialized kernel with two consumer
     warpgroups (128 weight rows) and all tokens of up to 128 (else 256) in one CTA column, one CTA per SM,
-    split-K up to one wave, 6 activation stages. At M = 128 and 512 it beat the non-specialized variants
-    by 1.06-1.36x."""
+    split-K up to one wave, 6 activation stages. At M = 128 and 512 it beat the best non-specialized
+    variants by 1.05-1.32x."""
     bm = _token_block(m)
     tiles = -(-n // 128) * -(-m // bm)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
@@ -562,6 +567,10 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
                              f"GluonGemmConfig with ws=False")
         consumers = cfg.block_n // 64
         maxnreg, regs = ws_registers(consumers, cfg.ctas_per_sm)
+        if maxnreg < 96:
+            raise ValueError(f"{cfg.short()}: {consumers} consumer warpgroups at {cfg.ctas_per_sm} CTAs per SM "
+                             f"leave {maxnreg} registers per thread, too few for the wgmma (ptxas needs ~94); "
+                             f"use ctas_per_sm=1 or fewer consumers")
         _w4a16_gluon_ws_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
                                      words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
                                      BLOCK_M=cfg.block_m, STAGES=cfg.stages, SPLIT_K=cfg.split_k,

@@ -328,6 +328,12 @@ def test_gluon_config_choices_and_refusals():
     assert G.default_gluon_config(128, 14336, 4096) in G.gluon_candidates(128, 14336, 4096)
     assert not G.supported("mxfp4", 128, 4096) and not G.supported("nvfp4", 128, 96)
     gen = torch.Generator().manual_seed(_seed())
+    w4 = _weight("nvfp4", 256, 128, gen)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="too few"):
+            G.launch_gluon_gemm(torch.zeros(64, 128, dtype=torch.bfloat16, device=DEVICE), w4,
+                                G.GluonGemmConfig(256, 64, 3, 1, 4, ws=True, ctas_per_sm=2),
+                                torch.empty(64, 256, dtype=torch.bfloat16, device=DEVICE))
     w = _weight("mxfp4", 64, 128, gen)
     with pytest.raises(ValueError, match="NVFP4"):
         G.launch_gluon_gemm(torch.zeros(32, 128, dtype=torch.bfloat16, device=DEVICE), w, G.GluonGemmConfig(),
