@@ -314,7 +314,7 @@ if HAVE_GLUON:
 
         k_steps = K // 64
         per_split = gl.cdiv(k_steps, SPLIT_K)
-        t_begin = pid_k * per_split
+        t_begin = gl.minimum(pid_k * per_split, k_steps)
         t_end = gl.minimum(t_begin + per_split, k_steps)
         n_steps = t_end - t_begin
 
@@ -333,8 +333,9 @@ if HAVE_GLUON:
         # Two register sets (A: even steps, B: odd), each reloaded right after its decode and used one
         # loop trip later: a load is never touched (not even copied) in the trip that issued it, so its
         # DRAM latency hides behind two steps of decode + MMA.
-        w_a = gl.load(w_ptr + w_off + t_begin * 8)
-        s_a = gl.load(s_ptr + s_off + t_begin * 2)
+        t0 = gl.minimum(t_begin, t_end - 1)      # an empty split (t_begin == K / 64) must not read past rows
+        w_a = gl.load(w_ptr + w_off + t0 * 8)
+        s_a = gl.load(s_ptr + s_off + t0 * 2)
         tb = gl.minimum(t_begin + 1, t_end - 1)
         w_b = gl.load(w_ptr + w_off + tb * 8)
         s_b = gl.load(s_ptr + s_off + tb * 2)
@@ -408,8 +409,9 @@ if HAVE_GLUON:
         # once (half the fixed wait latency per step; the two A tiles are live together, so distinct
         # registers). Two pairs of register sets (A: steps 4q, 4q+1; B: 4q+2, 4q+3) are each reloaded
         # right after use, as in _w4a16_gluon_kernel. The host gives every split an even step count.
-        w_a0 = gl.load(w_ptr + w_off + t_begin * 8)
-        s_a0 = gl.load(s_ptr + s_off + t_begin * 2)
+        t = gl.minimum(t_begin, t_end - 1)       # an empty split (t_begin == K / 64) must not read past rows
+        w_a0 = gl.load(w_ptr + w_off + t * 8)
+        s_a0 = gl.load(s_ptr + s_off + t * 2)
         t = gl.minimum(t_begin + 1, t_end - 1)
         w_a1 = gl.load(w_ptr + w_off + t * 8)
         s_a1 = gl.load(s_ptr + s_off + t * 2)
