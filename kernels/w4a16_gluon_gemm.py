@@ -10,7 +10,7 @@ operand, streamed by TMA through a ring of shared-memory stages. The default is 
 rows each decode and multiply, so one consumer decodes while another's wgmma runs. A warpgroup waits for its
 own wgmma before decoding again: the compiler does not know that an in-flight wgmma still reads its A
 registers (measured: with one left in flight the next decode overwrote them). On the H200 this gives
-0.72-0.79x bf16 at M = 128 and is the NVFP4 default from M = 48 (docs/PERF.md).
+0.70-0.79x bf16 at M = 128 and is the NVFP4 default from M = 48 (docs/PERF.md).
 
 Register A has a fixed hardware layout: in each k16 slice, lane (g, t) of a warp holds K positions
 2t, 2t+1, 2t+8, 2t+9. A K order that the MMA sums over is free as long as A and B agree, so each lane
