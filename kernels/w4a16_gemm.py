@@ -594,11 +594,11 @@ def _launch_default(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tens
     (Gluon is experimental and its API moves between releases) is reported once and replaced by the
     Triton wgmma kernel for the rest of the process."""
     global _GLUON_BROKEN
-    if not isinstance(cfg, GluonGemmConfig):
-        return _launch(x2, w, cfg, out)
     try:
         return _launch(x2, w, cfg, out)
     except (triton.CompilationError, AttributeError, TypeError, ImportError) as e:
+        if not isinstance(cfg, GluonGemmConfig):
+            raise
         import warnings
 
         _GLUON_BROKEN = True

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
+from .w4a16_gemv import _DECODE as _GEMV_WORD_DECODE
 
 STEP_K = 64                     # K per pipeline step: 32 code bytes per weight row
 A_PERM = (0, 6, 3, 4, 1, 2, 5)  # [BN, gr, j3, j2, j1, j0, h] -> [BN, h, j2, j1, gr, j3, j0]
@@ -90,6 +91,12 @@ def _token_block(m: int) -> int:
     return min(256, max(16, triton.next_power_of_2(m)))
 
 
+def _largest_split(tiles: int, steps: int, max_ctas: int, choices=(1, 2, 3, 4, 6, 8)) -> int:
+    """The largest split-K factor in `choices` that keeps tiles * split <= max_ctas and >= 4 steps per
+    split (1 if none)."""
+    return max([s for s in choices if tiles * s <= max_ctas and steps >= 4 * s] or [1])
+
+
 def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
     """The measured default (H200, docs/PERF.md): the warp-specialized kernel with two consumer
     warpgroups (128 weight rows) and all tokens of up to 128 (else 256) in one CTA column, one CTA per SM,
@@ -98,18 +105,14 @@ def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmCon
     bm = _token_block(m)
     tiles = -(-n // 128) * -(-m // bm)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
-        sk = max([s for s in (1, 2, 4, 8) if tiles * s <= 2 * sms and k // STEP_K >= 4 * s] or [1])
+        sk = _largest_split(tiles, k // STEP_K, 2 * sms, (1, 2, 4, 8))
         return GluonGemmConfig(128, bm, 2, sk, 8)
-    sk = ([s for s in (1, 2, 3, 4, 6, 8) if tiles * s <= sms and k // STEP_K >= 4 * s] or [1])[-1]
-    return GluonGemmConfig(128, bm, 6, sk, 4, ws=True, ctas_per_sm=1)
+    return GluonGemmConfig(128, bm, 6, _largest_split(tiles, k // STEP_K, sms), 4, ws=True, ctas_per_sm=1)
 
 
 def _splits(tiles: int, steps: int, sms: int) -> list:
     """Split-K factors that fill the SMs with one CTA each (the largest that fits one wave) or two."""
-    fits = [sk for sk in (1, 2, 3, 4, 6, 8) if steps >= 4 * sk]
-    one = [sk for sk in fits if tiles * sk <= sms]
-    two = [sk for sk in fits if tiles * sk <= 2 * sms]
-    return sorted({one[-1] if one else 1, two[-1] if two else 1})
+    return sorted({_largest_split(tiles, steps, sms), _largest_split(tiles, steps, 2 * sms)})
 
 
 def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
@@ -131,7 +134,7 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
     steps = k // STEP_K
     for bn in ((128, 192) if bm <= 128 and k % 128 == 0 else (128,) if k % 128 == 0 else ()):
         tiles = -(-n // bn) * -(-m // bm)
-        sk = ([s for s in (1, 2, 3, 4, 6, 8) if tiles * s <= sms and steps >= 4 * s] or [1])[-1]
+        sk = _largest_split(tiles, steps, sms)
         for st in (3, 6):
             out.append(GluonGemmConfig(bn, bm, st, sk, 4, ws=True, ctas_per_sm=1))
     return list(dict.fromkeys(out))
@@ -187,22 +190,10 @@ and.b32 h, h, 0x7F80;
 prmt.b32 $0, l, 0, 0x1010;
 prmt.b32 $1, h, 0, 0x1010;
 }""")
-# One 32-bit word of kernel-layout code bytes b0..b3 -> fp16x2 code * 2^-14 of the low elements of b0, b1
-# ($0) and b2, b3 ($1) and of the high elements ($2, $3) (the decode of w4a16_gemm._codes_f16), each times
-# its block scale ($5 low, $6 high; code * 2^-14 * s * 2^5 is exact in fp16).
-_DECODE_WORD_ASM = tl.constexpr("""{
-.reg .b32 t0, t1, a, c;
-prmt.b32 t0, $4, 0, 0x1404;
-prmt.b32 t1, $4, 0, 0x3424;
-and.b32 $0, t0, 0x8E008E00;
-and.b32 $1, t1, 0x8E008E00;
-shr.b32 a, t0, 3;
-shl.b32 c, t0, 7;
-lop3.b32 $2, a, c, 0x8E008E00, 0xA8;
-shr.b32 a, t1, 3;
-shl.b32 c, t1, 7;
-lop3.b32 $3, a, c, 0x8E008E00, 0xA8;
-mul.rn.f16x2 $0, $0, $5;
+# One 32-bit word of kernel-layout code bytes -> the four fp16x2 code * 2^-14 results of w4a16_gemv's word
+# decode (low elements of bytes 0, 1 / 2, 3 in $0 / $1, high ones in $2 / $3), each times its block scale
+# ($5 low, $6 high; code * 2^-14 * s * 2^5 is exact in fp16).
+_DECODE_WORD_ASM = tl.constexpr(_GEMV_WORD_DECODE.value.rstrip().removesuffix("}") + """mul.rn.f16x2 $0, $0, $5;
 mul.rn.f16x2 $1, $1, $5;
 mul.rn.f16x2 $2, $2, $6;
 mul.rn.f16x2 $3, $3, $6;
@@ -228,6 +219,49 @@ if HAVE_GLUON:
             rows *= 2
         lane = [[0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
         return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, 2, 4])
+
+    @gluon.jit
+    def _code_offsets(row0, N, stride_wn, stride_sn, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+        """Offsets of step 0's code words ([BN, 2, 4]: row * stride + 4 * gr + w) and scale pairs ([BN, 2]:
+        row * stride + gr) of rows row0.. in the word layout. Rows past N read row N - 1 (no load masks,
+        so the loads stay 8-byte vectors); their outputs are masked at the store."""
+        w3: gl.constexpr = _word_layout(BLOCK_N, num_warps)
+        s2: gl.constexpr = gl.SliceLayout(2, w3)
+        rows = gl.minimum(row0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s2)), N - 1)
+        grs = gl.arange(0, 2, gl.SliceLayout(0, s2))
+        words = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, w3)))
+        rows2 = gl.expand_dims(rows, 1)                                   # [BN, 1] (s2)
+        grs2 = gl.expand_dims(grs, 0)                                     # [1, 2] (s2)
+        w_off = gl.expand_dims(rows2.to(gl.int64) * stride_wn + grs2 * 4, 2) \
+            + gl.expand_dims(gl.expand_dims(words, 0), 1)                 # [BN, 2, 4] (w3)
+        s_off = rows2.to(gl.int64) * stride_sn + grs2                     # [BN, 2] (s2)
+        return w_off, s_off
+
+    @gluon.jit
+    def _load_step(w_ptr, s_ptr, w_off, s_off, t, t_end):
+        """Code words and scale pairs of step t, clamped to the split's last step (the last loop trips,
+        and an empty split, reload it instead of reading past the rows)."""
+        t = gl.minimum(t, t_end - 1)
+        return gl.load(w_ptr + w_off + t * 8), gl.load(s_ptr + s_off + t * 2)
+
+    @gluon.jit
+    def _store_tile(acc, row0, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr,
+                    SPLIT_K: gl.constexpr):
+        """acc [rows, tokens] (fp32, rows row0.., tokens off_m..) -> y as bf16 times s_global * acc_factor,
+        or (split-K) the fp32 partial of split pid_k, summed later by _sum_splits_kernel (an in-kernel
+        last-CTA sum holds the tile, a partial, offsets and masks at once: 255 registers and spills).
+        Offsets are int32 inside the tile on one int64 base: 64-bit offsets per element would cost two
+        registers each."""
+        acc = acc * (gl.load(gs_ptr) * acc_factor)
+        layout: gl.constexpr = acc.type.layout
+        n2 = gl.expand_dims(row0 + gl.arange(0, acc.shape[0], gl.SliceLayout(1, layout)), 1)
+        m2 = gl.expand_dims(gl.arange(0, acc.shape[1], gl.SliceLayout(0, layout)), 0)
+        y_mask = (n2 < N) & (m2 < M - off_m)
+        if SPLIT_K == 1:
+            gl.store(y_ptr + off_m.to(gl.int64) * stride_ym + (m2 * stride_ym + n2), acc.to(gl.bfloat16),
+                     mask=y_mask)
+        else:
+            gl.store(ws_ptr + (pid_k * M + off_m).to(gl.int64) * N + (m2 * N + n2), acc, mask=y_mask)
 
     @gluon.jit
     def _halves(v):
@@ -298,19 +332,7 @@ if HAVE_GLUON:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        w3: gl.constexpr = _word_layout(BLOCK_N, num_warps)
-        s2: gl.constexpr = gl.SliceLayout(2, w3)
-
-        # words: row * stride + 8 * step + 4 * gr + w. Rows past N read row N - 1 (no load masks, so the
-        # loads stay 8-byte vectors); their outputs are masked at the store.
-        rows = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s2)), N - 1)
-        grs = gl.arange(0, 2, gl.SliceLayout(0, s2))
-        ws_ = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, w3)))
-        rows2 = gl.expand_dims(rows, 1)                                   # [BN, 1] (s2)
-        grs2 = gl.expand_dims(grs, 0)                                     # [1, 2] (s2)
-        w_off = gl.expand_dims(rows2.to(gl.int64) * stride_wn + grs2 * 4, 2) \
-            + gl.expand_dims(gl.expand_dims(ws_, 0), 1)                   # [BN, 2, 4] (w3)
-        s_off = rows2.to(gl.int64) * stride_sn + grs2                     # [BN, 2] (s2)
+        w_off, s_off = _code_offsets(pid_n * BLOCK_N, N, stride_wn, stride_sn, BLOCK_N, num_warps)
 
         k_steps = K // 64
         per_split = gl.cdiv(k_steps, SPLIT_K)
@@ -333,44 +355,21 @@ if HAVE_GLUON:
         # Two register sets (A: even steps, B: odd), each reloaded right after its decode and used one
         # loop trip later: a load is never touched (not even copied) in the trip that issued it, so its
         # DRAM latency hides behind two steps of decode + MMA.
-        t0 = gl.minimum(t_begin, t_end - 1)      # an empty split (t_begin == K / 64) must not read past rows
-        w_a = gl.load(w_ptr + w_off + t0 * 8)
-        s_a = gl.load(s_ptr + s_off + t0 * 2)
-        tb = gl.minimum(t_begin + 1, t_end - 1)
-        w_b = gl.load(w_ptr + w_off + tb * 8)
-        s_b = gl.load(s_ptr + s_off + tb * 2)
+        w_a, s_a = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin, t_end)
+        w_b, s_b = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + 1, t_end)
         for i in range(0, n_steps, 2):
             acc = _mma_step(i, n_steps, t_begin, w_a, s_a, acc, x_desc, x_smem, bars, off_m,
                             BLOCK_N, STAGES, a_layout)
-            ta = gl.minimum(t_begin + i + 2, t_end - 1)                   # the last trips reload the last
-            w_a = gl.load(w_ptr + w_off + ta * 8)
-            s_a = gl.load(s_ptr + s_off + ta * 2)
+            w_a, s_a = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 2, t_end)
             if i + 1 < n_steps:
                 acc = _mma_step(i + 1, n_steps, t_begin, w_b, s_b, acc, x_desc, x_smem, bars, off_m,
                                 BLOCK_N, STAGES, a_layout)
-            tb = gl.minimum(t_begin + i + 3, t_end - 1)
-            w_b = gl.load(w_ptr + w_off + tb * 8)
-            s_b = gl.load(s_ptr + s_off + tb * 2)
+            w_b, s_b = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 3, t_end)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        gs = gl.load(gs_ptr)
-        acc = acc * (gs * acc_factor)
-        # int32 offsets inside the tile, one int64 base per tile: 64-bit offsets per element would cost
-        # two registers each (spills with four warpgroups)
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma_layout))
-        offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma_layout))
-        n2 = gl.expand_dims(offs_n, 1)
-        m2 = gl.expand_dims(offs_m, 0)
-        y_mask = (n2 < N) & (m2 < M - off_m)
-        y_tile = y_ptr + off_m.to(gl.int64) * stride_ym
-        y_off = m2 * stride_ym + n2
-        if SPLIT_K == 1:
-            gl.store(y_tile + y_off, acc.to(gl.bfloat16), mask=y_mask)
-        else:   # fp32 partials, summed in split order by _sum_splits_kernel (an in-kernel last-CTA sum
-            # holds the tile, a partial, offsets and masks at once: 255 registers and spills)
-            ws_tile = ws_ptr + (pid_k * M + off_m).to(gl.int64) * N
-            gl.store(ws_tile + (m2 * N + n2), acc, mask=y_mask)
+        _store_tile(acc, pid_n * BLOCK_N, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr,
+                    SPLIT_K)
 
 
 if HAVE_GLUON:
@@ -392,16 +391,7 @@ if HAVE_GLUON:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        w3: gl.constexpr = _word_layout(64, 4)
-        s2: gl.constexpr = gl.SliceLayout(2, w3)
-        rows = gl.minimum(row0 + gl.arange(0, 64, gl.SliceLayout(1, s2)), N - 1)
-        grs = gl.arange(0, 2, gl.SliceLayout(0, s2))
-        ws_ = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, w3)))
-        rows2 = gl.expand_dims(rows, 1)
-        grs2 = gl.expand_dims(grs, 0)
-        w_off = gl.expand_dims(rows2.to(gl.int64) * stride_wn + grs2 * 4, 2) \
-            + gl.expand_dims(gl.expand_dims(ws_, 0), 1)
-        s_off = rows2.to(gl.int64) * stride_sn + grs2
+        w_off, s_off = _code_offsets(row0, N, stride_wn, stride_sn, 64, 4)
         n_steps = t_end - t_begin
 
         acc = gl.zeros([64, BLOCK_M], gl.float32, mma_layout)
@@ -409,47 +399,20 @@ if HAVE_GLUON:
         # once (half the fixed wait latency per step; the two A tiles are live together, so distinct
         # registers). Two pairs of register sets (A: steps 4q, 4q+1; B: 4q+2, 4q+3) are each reloaded
         # right after use, as in _w4a16_gluon_kernel. The host gives every split an even step count.
-        t = gl.minimum(t_begin, t_end - 1)       # an empty split (t_begin == K / 64) must not read past rows
-        w_a0 = gl.load(w_ptr + w_off + t * 8)
-        s_a0 = gl.load(s_ptr + s_off + t * 2)
-        t = gl.minimum(t_begin + 1, t_end - 1)
-        w_a1 = gl.load(w_ptr + w_off + t * 8)
-        s_a1 = gl.load(s_ptr + s_off + t * 2)
-        t = gl.minimum(t_begin + 2, t_end - 1)
-        w_b0 = gl.load(w_ptr + w_off + t * 8)
-        s_b0 = gl.load(s_ptr + s_off + t * 2)
-        t = gl.minimum(t_begin + 3, t_end - 1)
-        w_b1 = gl.load(w_ptr + w_off + t * 8)
-        s_b1 = gl.load(s_ptr + s_off + t * 2)
+        w_a0, s_a0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin, t_end)
+        w_a1, s_a1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + 1, t_end)
+        w_b0, s_b0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + 2, t_end)
+        w_b1, s_b1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + 3, t_end)
         for i in range(0, n_steps, 4):
             acc = _ws_pair(i, w_a0, s_a0, w_a1, s_a1, acc, x_smem, ready, empty, STAGES, a_layout)
-            t = gl.minimum(t_begin + i + 4, t_end - 1)
-            w_a0 = gl.load(w_ptr + w_off + t * 8)
-            s_a0 = gl.load(s_ptr + s_off + t * 2)
-            t = gl.minimum(t_begin + i + 5, t_end - 1)
-            w_a1 = gl.load(w_ptr + w_off + t * 8)
-            s_a1 = gl.load(s_ptr + s_off + t * 2)
+            w_a0, s_a0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 4, t_end)
+            w_a1, s_a1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 5, t_end)
             if i + 2 < n_steps:
                 acc = _ws_pair(i + 2, w_b0, s_b0, w_b1, s_b1, acc, x_smem, ready, empty, STAGES, a_layout)
-            t = gl.minimum(t_begin + i + 6, t_end - 1)
-            w_b0 = gl.load(w_ptr + w_off + t * 8)
-            s_b0 = gl.load(s_ptr + s_off + t * 2)
-            t = gl.minimum(t_begin + i + 7, t_end - 1)
-            w_b1 = gl.load(w_ptr + w_off + t * 8)
-            s_b1 = gl.load(s_ptr + s_off + t * 2)
+            w_b0, s_b0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 6, t_end)
+            w_b1, s_b1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 7, t_end)
 
-        gs = gl.load(gs_ptr)
-        acc = acc * (gs * acc_factor)
-        offs_n = row0 + gl.arange(0, 64, gl.SliceLayout(1, mma_layout))
-        offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma_layout))
-        n2 = gl.expand_dims(offs_n, 1)
-        m2 = gl.expand_dims(offs_m, 0)
-        y_mask = (n2 < N) & (m2 < M - off_m)
-        if SPLIT_K == 1:
-            gl.store(y_ptr + off_m.to(gl.int64) * stride_ym + (m2 * stride_ym + n2), acc.to(gl.bfloat16),
-                     mask=y_mask)
-        else:
-            gl.store(ws_ptr + (pid_k * M + off_m).to(gl.int64) * N + (m2 * N + n2), acc, mask=y_mask)
+        _store_tile(acc, row0, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr, SPLIT_K)
 
     @gluon.jit
     def _ws_pair(i, w0, s0, w1, s1, acc, x_smem, ready, empty, STAGES: gl.constexpr, a_layout: gl.constexpr):

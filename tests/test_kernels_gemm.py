@@ -340,6 +340,32 @@ def test_gluon_config_choices_and_refusals():
                             torch.empty(32, 64, dtype=torch.bfloat16, device=DEVICE))
 
 
+def test_gluon_build_failure_falls_back_to_the_wgmma_kernel(monkeypatch):
+    """A library-chosen Gluon config that does not build (another Triton) warns once, runs the Triton
+    wgmma kernel with the right result, and takes Gluon out of the defaults; an explicit config still
+    raises. Forced here by a launcher that raises Triton's compile error."""
+    import triton
+
+    from megatron_qrl.kernels import w4a16_gemm as D
+
+    def broken(*a, **kw):
+        raise triton.CompilationError("kernel.py", None, "unsupported Gluon op")
+
+    monkeypatch.setattr(D, "launch_gluon_gemm", broken)
+    monkeypatch.setattr(D, "_GLUON_BROKEN", False)
+    gen = torch.Generator().manual_seed(_seed())
+    m, n, k = 64, 64, 256
+    w = _weight("nvfp4", n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    with pytest.warns(UserWarning, match="Gluon kernel does not build"):
+        D._launch_default(x, w, GluonGemmConfig(128, 64, 6, 1, 4, ws=True), out)
+    assert _rel(out, w4a16_gemm_reference(x, w)) < DENSE_TOL
+    assert D._GLUON_BROKEN and isinstance(heuristic_config("nvfp4", 128, 14336, 4096), GemmConfig)
+    with pytest.raises(triton.CompilationError):
+        w4a16_gemm(x, w, config=GluonGemmConfig(128, 64, 6, 1, 4, ws=True))
+
+
 if DEVICE == "cuda":
     @pytest.mark.parametrize("m,n,k,cfg", [
         (128, 192, 512, GluonGemmConfig(64, 128, 3, 1, 4)),

@@ -268,6 +268,12 @@ def _quantized(fmt, nvfp4_quantize, mxfp4_quantize, layouts, shape, gen):
 # ----------------------------------------------------------------------------------------------------
 # dense
 # ----------------------------------------------------------------------------------------------------
+def _fastest(results, name_pred):
+    """The fastest timed result whose config name satisfies name_pred, or None."""
+    hits = [r for r in results if name_pred(r["config"])]
+    return min(hits, key=lambda r: r["us"]) if hits else None
+
+
 def bench_dense(args, copy_bw, log):
     layouts, dense, moe, nvfp4_quantize, mxfp4_quantize = _imports()
     rows = []
@@ -309,19 +315,15 @@ def bench_dense(args, copy_bw, log):
                         continue
                     results.append(dict(config=cfg.short(), cfg=asdict(cfg), err=max(err, err0), us=us))
                 ok = [r for r in results if r["us"] is not None]
-                best = min(ok, key=lambda r: r["us"]) if ok else None
+                best = _fastest(ok, lambda c: True)
                 heur = dense.heuristic_config(fmt, m, n, k).short()
                 heur_r = next((r for r in ok if r["config"] == heur), None)
                 # wgmma kernel (GemmConfig) vs CUDA-core GEMV (GemvConfig, names "V...") vs register-fragment
                 # MMA GEMV (MmaGemvConfig, names "T...") vs Gluon register-A wgmma (GluonGemmConfig, "G...")
-                dot_ok = [r for r in ok if r["config"][0] not in "VTG"]
-                gluon_ok = [r for r in ok if r["config"].startswith("G")]
-                best_gluon = min(gluon_ok, key=lambda r: r["us"]) if gluon_ok else None
-                gemv_ok = [r for r in ok if r["config"].startswith("V")]
-                mma_ok = [r for r in ok if r["config"].startswith("T")]
-                best_dot = min(dot_ok, key=lambda r: r["us"]) if dot_ok else None
-                best_gemv = min(gemv_ok, key=lambda r: r["us"]) if gemv_ok else None
-                best_mma = min(mma_ok, key=lambda r: r["us"]) if mma_ok else None
+                best_dot = _fastest(ok, lambda c: c[0] not in "VTG")
+                best_gemv = _fastest(ok, lambda c: c.startswith("V"))
+                best_mma = _fastest(ok, lambda c: c.startswith("T"))
+                best_gluon = _fastest(ok, lambda c: c.startswith("G"))
                 row = dict(kind="dense", fmt=fmt, K=k, N=n, M=m, copies=copies, bf16_us=t_bf16,
                            fp4_us=best["us"] if best else None, best=best, heuristic=heur_r, all=results,
                            best_dot=best_dot, best_gemv=best_gemv, best_mma=best_mma, best_gluon=best_gluon,
