@@ -49,11 +49,14 @@ A_PERM = (0, 6, 3, 4, 1, 2, 5)  # [BN, gr, j3, j2, j1, j0, h] -> [BN, h, j2, j1,
 X_SHIFT = 8                     # x enters as fp16(x * 2^-8)
 # acc = sum (code * 2^-14 * s * 2^5) * (x * 2^-8) = y / s_global * 2^-17; prepared gs = s_global * 2^22
 ACC_FACTOR = 2.0 ** (X_SHIFT + 14 - 5) / NVFP4_GLOBAL_FOLD
+# shared-A kernel (bf16 operands, x as it comes): A = code * 2^-126 * (s * 2^20) = w / s_global * 2^-106
+SS_ACC_FACTOR = 2.0 ** 106 / NVFP4_GLOBAL_FOLD
 
 try:  # Gluon (triton.experimental.gluon) ships with Triton >= 3.5; the kernel needs its Hopper module.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
     HAVE_GLUON = True
 except Exception:  # pragma: no cover - an old Triton: the dispatcher never picks this kernel
     HAVE_GLUON = False
@@ -72,8 +75,12 @@ class GluonGemmConfig:
     ws: bool = False          # warp-specialized: a TMA producer warp and block_n / 64 consumer warpgroups
     ctas_per_sm: int = 1      # ws: the register budget is split for this many resident CTAs (2 leaves too
     #                           few registers for a wgmma with 2+ consumers: ptxas refuses, launch says so)
+    decoders: int = 0         # > 0: the shared-A kernel (_w4a16_gluon_ss_kernel) with this many decoder
+    #                           warpgroups (1 or 2), one MMA warpgroup and a TMA producer warp
 
     def short(self) -> str:
+        if self.decoders:
+            return f"GS{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/d{self.decoders}"
         if self.ws:
             return f"GW{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/c{self.ctas_per_sm}"
         return f"G{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/w{self.num_warps}"
@@ -98,11 +105,17 @@ def _largest_split(tiles: int, steps: int, max_ctas: int, choices=(1, 2, 3, 4, 6
 
 
 def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
-    """The measured default (H200, docs/PERF.md): the warp-specialized kernel with two consumer
-    warpgroups (128 weight rows) and all tokens of up to 128 (else 256) in one CTA column, one CTA per SM,
-    split-K up to one wave, 6 activation stages. At M = 128 and 512 it beat the best non-specialized
-    variants by 1.05-1.32x."""
+    """The measured defaults (H200, docs/PERF.md). Up to 128 tokens with K % 256 == 0: the shared-A
+    kernel (128 weight rows, two decoder warpgroups on alternate steps, as many stages as fit, split-K up
+    to one wave); it beat the register-A kernel by 1.15-1.22x at M = 64 and 128. Otherwise the
+    warp-specialized register-A kernel with two consumer warpgroups, all tokens of up to 256 in one CTA
+    column, split-K up to one wave, 6 activation stages (at M = 512 it beat the shared-A kernel at
+    (4096, 14336) and the non-specialized variants by 1.05-1.32x)."""
     bm = _token_block(m)
+    if bm <= 128 and k % SS_K_MULTIPLE == 0:
+        tiles = -(-n // 128) * -(-m // bm)
+        stages = max(s for s in range(2, 7) if ss_stages_fit(128, bm, s))
+        return GluonGemmConfig(128, bm, stages, _largest_split(tiles, k // STEP_K, sms), 4, decoders=2)
     tiles = -(-n // 128) * -(-m // bm)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
         sk = _largest_split(tiles, k // STEP_K, 2 * sms, (1, 2, 4, 8))
@@ -137,6 +150,15 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         sk = _largest_split(tiles, steps, sms)
         for st in (3, 6):
             out.append(GluonGemmConfig(bn, bm, st, sk, 4, ws=True, ctas_per_sm=1))
+    # shared-A (K % 256 == 0): up to 128 tokens per CTA (the MMA warpgroup's accumulators), as many
+    # stages as fit up to 6, two or three decoder warpgroups (one was always slower)
+    bm_ss = min(128, bm)
+    for bn, decs in ((128, (2, 3)),) if k % SS_K_MULTIPLE == 0 else ():
+        tiles = -(-n // bn) * -(-m // bm_ss)
+        sk = _largest_split(tiles, steps, sms)
+        st = max(s for s in range(2, 7) if ss_stages_fit(bn, bm_ss, s))
+        for d in decs:
+            out.append(GluonGemmConfig(bn, bm_ss, st, sk, 4, decoders=d))
     return list(dict.fromkeys(out))
 
 
@@ -197,6 +219,51 @@ _DECODE_WORD_ASM = tl.constexpr(_GEMV_WORD_DECODE.value.rstrip().removesuffix("}
 mul.rn.f16x2 $1, $1, $5;
 mul.rn.f16x2 $2, $2, $6;
 mul.rn.f16x2 $3, $3, $6;
+}""")
+
+# bf16 variants for the shared-A kernel. A scale pair -> bf16x2 {s_lo * 2^20, s_lo * 2^20}, {s_hi ...}: a
+# prepared byte b is bf16 bits b << 4 = s * 2^5 * 2^-112 (the fp16 exponent field read as bf16's), times
+# 2^127 (exact: a power of two, no overflow).
+_SCALE_BF16_ASM = tl.constexpr("""{
+.reg .b32 s, l, h, k;
+cvt.u32.u16 s, $2;
+shl.b32 l, s, 4;
+and.b32 l, l, 0x0FF0;
+shr.b32 h, s, 4;
+and.b32 h, h, 0x0FF0;
+prmt.b32 l, l, 0, 0x1010;
+prmt.b32 h, h, 0, 0x1010;
+mov.b32 k, 0x7F007F00;
+mul.rn.bf16x2 $0, l, k;
+mul.rn.bf16x2 $1, h, k;
+}""")
+# One word -> bf16x2 code * 2^-126 (same element order as _DECODE_WORD_ASM), times the scales: the fp16
+# bits u of w4a16_gemv's decode hold the code's 3 magnitude bits at 9..11 and its sign at 15; bf16 wants
+# them at 6..8 and 15, so bf16 = (u | u >> 3) & 0x81C0 per half (code * 2^-126, subnormals included).
+_DECODE_WORD_BF16_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, u, a, c;
+prmt.b32 t0, $4, 0, 0x1404;
+prmt.b32 t1, $4, 0, 0x3424;
+and.b32 u, t0, 0x8E008E00;
+shr.b32 a, u, 3;
+lop3.b32 $0, u, a, 0x81C081C0, 0xA8;
+and.b32 u, t1, 0x8E008E00;
+shr.b32 a, u, 3;
+lop3.b32 $1, u, a, 0x81C081C0, 0xA8;
+shr.b32 a, t0, 3;
+shl.b32 c, t0, 7;
+lop3.b32 u, a, c, 0x8E008E00, 0xA8;
+shr.b32 a, u, 3;
+lop3.b32 $2, u, a, 0x81C081C0, 0xA8;
+shr.b32 a, t1, 3;
+shl.b32 c, t1, 7;
+lop3.b32 u, a, c, 0x8E008E00, 0xA8;
+shr.b32 a, u, 3;
+lop3.b32 $3, u, a, 0x81C081C0, 0xA8;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $2, $2, $6;
+mul.rn.bf16x2 $3, $3, $6;
 }""")
 
 if HAVE_GLUON:
@@ -295,6 +362,34 @@ if HAVE_GLUON:
         a = gl.permute(a, [0, 6, 3, 5, 1, 2, 4])                       # -> [BN, h, j2, j1, gr, j3, j0]
         a = gl.reshape(a, [BLOCK_N, 64])
         return gl.convert_layout(a, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _bf16_halves(v):
+        """int32 holding bf16x2 -> (low, high) bf16 (a register split, no arithmetic)."""
+        return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [v],
+                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _decode_a_bf16(words, sp, ROWS: gl.constexpr):
+        """words [ROWS, 2, 4] int32, sp [ROWS, 2] int16 -> bf16 A [ROWS, 64] = w / s_global * 2^-106 in the
+        *physical* K order (it goes through shared memory, so no register layout fixes its order and x
+        needs no permutation)."""
+        sl, sh = gl.inline_asm_elementwise(_SCALE_BF16_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        sl, _ = gl.broadcast(gl.expand_dims(sl, 2), words)
+        sh, _ = gl.broadcast(gl.expand_dims(sh, 2), words)
+        d0, d1, d2, d3 = gl.inline_asm_elementwise(_DECODE_WORD_BF16_ASM, "=r,=r,=r,=r,r,r,r", [words, sl, sh],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+        d0a, d0b = _bf16_halves(d0)
+        d1a, d1b = _bf16_halves(d1)
+        d2a, d2b = _bf16_halves(d2)
+        d3a, d3b = _bf16_halves(d3)
+        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))           # [R, gr, w, j0, j1]
+        hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
+        a = gl.reshape(gl.join(lo, hi), [ROWS, 2, 2, 2, 2, 2, 2])      # [R, gr, j3, j2, j0, j1, h]
+        a = gl.permute(a, [0, 1, 6, 2, 3, 5, 4])                       # -> [R, gr, h, j3, j2, j1, j0]
+        return gl.reshape(a, [ROWS, 64])                               # phys = 32 gr + 16 h + j
 
     @gluon.jit
     def _mma_step(i, n_steps, t_begin, words, sp, acc, x_desc, x_smem, bars, off_m,
@@ -482,6 +577,182 @@ if HAVE_GLUON:
                                 (_ws_partition, (3, args, BLOCK_M, STAGES, SPLIT_K))], [1, 4, 4, 4], [24, REGS, REGS, REGS])
 
 
+if HAVE_GLUON:
+    # ------------------------------------------------------------------------------------------------
+    # Shared-A variant: a producer warp brings x, the code bytes and the scales of each K step into a
+    # ring of shared-memory stages by TMA; decoder warpgroups decode the codes into an fp16 A tile in the
+    # same stage; one MMA warpgroup issues shared x shared wgmmas with one left in flight. Decode and MMA
+    # are different warps (no register-A hazard), and every global read is a TMA, so nothing the
+    # decoders' fence (fence.proxy.async, a MEMBAR) waits for is a DRAM load: with the codes loaded into
+    # registers ahead of time, that fence waited for the prefetch every step (measured 1.04x slower than
+    # the register-A kernel at M = 128).
+    # ------------------------------------------------------------------------------------------------
+    @gluon.constexpr_function
+    def _ss_word_layout(rows, rank):
+        """The shared-A decoders' code words: [rows, 2 (gr), 4 (w)] (rank 3) or [rows, 8] (rank 2, a
+        reshape of it that moves no data). As `_word_layout` (w bit 0 in a register, so a lane's two words
+        are one 8-byte load) but with rows on the low lane bits: the decoded tile is stored 16 bytes a lane
+        into a 128-byte-swizzled tile, and 8 consecutive lanes (one store phase) then cover 8 rows of one
+        16-byte column, 8 different bank groups. With `_word_layout`'s lane order a phase covered 2 rows x 4
+        columns: NCU counted 13.6 wavefronts per store instead of 4."""
+        def col(w):   # w = 4 gr + word -> the column basis of this rank
+            return [0, w // 4, w % 4] if rank == 3 else [0, w]
+        def row(r):
+            return [r, 0, 0] if rank == 3 else [r, 0]
+        reg = [col(1), row(8)]
+        r = 64
+        while r < rows:
+            reg.append(row(r))
+            r *= 2
+        shape = [rows, 2, 4] if rank == 3 else [rows, 8]
+        return gl.DistributedLinearLayout(reg, [row(1), row(2), row(4), col(2), col(4)], [row(16), row(32)],
+                                          [], shape)
+
+    @gluon.jit
+    def _ss_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, row0, off_m, t_begin,
+                     n_steps, STAGES: gl.constexpr):
+        """One warp: x tile, code words and scale pairs of each step into its stage (one barrier). A TMA
+        box starts on a 16-byte boundary, so the scale box is the 8 pairs (16 bytes a row) of the step's
+        aligned group of 4 steps; the decoder picks its 2."""
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        for i in range(n_steps):
+            stage = i % STAGES
+            t = t_begin + i
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, t * 64], ready.index(stage), x_smem.index(stage))
+            tma.async_copy_global_to_shared(w_desc, [row0, t * 8], ready.index(stage), w_smem.index(stage))
+            tma.async_copy_global_to_shared(s_desc, [row0, (t // 4) * 8], ready.index(stage), s_smem.index(stage))
+
+    @gluon.jit
+    def _ss_decoder(d, w_smem, s_smem, a_smem, ready, a_ready, n_steps, ROWS: gl.constexpr,
+                    STAGES: gl.constexpr, DECODERS: gl.constexpr):
+        """One warpgroup: decodes every DECODERS-th step (from step d) into its stage's A tile (the ring's
+        `ready` already implies the MMA released the stage's previous A). Decoders take whole steps, not
+        row slices: a step's decode is a latency chain (shared loads, decode, stores, fence, barrier), and
+        two decoders on alternate steps each get two MMA steps of time for it (measured: splitting the rows
+        instead ran no faster than one decoder). Splits start on a multiple of 4 steps and span a multiple
+        of 4, so step i's scale pairs are columns 2 (i % 4) .. of its box."""
+        w3: gl.constexpr = _ss_word_layout(ROWS, 3)
+        for i0 in range(0, n_steps, 4 * DECODERS):
+            for q in gl.static_range(4 * DECODERS):
+                if q % DECODERS == d:
+                    i = i0 + q
+                    if i < n_steps:
+                        stage = i % STAGES
+                        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+                        words = w_smem.index(stage).load(_ss_word_layout(ROWS, 2))
+                        words = gl.convert_layout(gl.reshape(words, [ROWS, 2, 4]), w3, assert_trivial=True)
+                        sp = s_smem.index(stage).slice(2 * (q % 4), 2, dim=1).load(gl.SliceLayout(2, w3))
+                        a_smem.index(stage).store(_decode_a_bf16(words, sp, ROWS))
+                        fence_async_shared()
+                        mbarrier.arrive(a_ready.index(stage), count=1)
+
+    @gluon.jit
+    def _ss_mma(x_smem, a_smem, ready, a_ready, empty, n_steps, BLOCK_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: acc [BLOCK_N rows, BLOCK_M tokens] += A_stage x_stage^T, one wgmma in flight
+        while the next is issued; a stage is released when the wgmma that read it has finished."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+        for i in range(n_steps):
+            stage = i % STAGES
+            phase = (i // STAGES) & 1
+            mbarrier.wait(ready.index(stage), phase)
+            mbarrier.wait(a_ready.index(stage), phase)
+            acc = warpgroup_mma(a_smem.index(stage), x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    @gluon.jit
+    def _ss_partition(ROLE: gl.constexpr, args, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DECODERS: gl.constexpr):
+        """ROLE -2: the MMA warpgroup (then the epilogue); -1: the TMA producer; d >= 0: decoder d (steps
+        d, d + DECODERS, ...)."""
+        (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor, tile_row0, off_m, pid_k,
+         t_begin, t_end, x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty) = args
+        if ROLE == -2:
+            acc = _ss_mma(x_smem, a_smem, ready, a_ready, empty, t_end - t_begin, BLOCK_N, BLOCK_M, STAGES)
+            _store_tile(acc, tile_row0, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr,
+                        SPLIT_K)
+        elif ROLE == -1:
+            _ss_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tile_row0, off_m,
+                         t_begin, t_end - t_begin, STAGES)
+        else:
+            _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, t_end - t_begin, BLOCK_N, STAGES, DECODERS)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _w4a16_gluon_ss_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, acc_factor,
+                               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                               SPLIT_K: gl.constexpr, DECODERS: gl.constexpr, REGS: gl.constexpr):
+        """Shared-A variant. w_desc: TMA over the code words ([N, K/8] int32, box [BLOCK_N, 8]); s_desc:
+        over the scale pairs ([N, K/32] int16, box [BLOCK_N, 8]); the rest as _w4a16_gluon_kernel. Rows
+        past N arrive as zeros (TMA bounds) and are masked at the store."""
+        pid_k = gl.program_id(2)
+        k_steps = K // 64                                  # a multiple of 4 (K % 256 == 0), as is every split
+        per_split = 4 * gl.cdiv(k_steps // 4, SPLIT_K)
+        t_begin = gl.minimum(pid_k * per_split, k_steps)
+        t_end = gl.minimum(t_begin + per_split, k_steps)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, 8], s_desc.layout)
+        a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], a_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(a_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        args = (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor,
+                gl.program_id(0) * BLOCK_N, gl.program_id(1) * BLOCK_M, pid_k, t_begin, t_end,
+                x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty)
+        if DECODERS == 1:
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS))],
+                               [1, 4], [24, REGS])
+        elif DECODERS == 2:
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS))],
+                               [1, 4, 4], [24, REGS, REGS])
+        else:
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
+                                (_ss_partition, (2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS))],
+                               [1, 4, 4, 4], [24, REGS, REGS, REGS])
+
+
+SS_SMEM_BYTES = 227 * 1024     # sm_90 shared memory per CTA
+SS_K_MULTIPLE = 256            # TMA row strides are multiples of 16 bytes; a scale row is K/16 bytes
+if HAVE_GLUON:
+    # code words: a 32-byte row; swizzled so that the 8 rows one load phase reads are not 2-way conflicted
+    _SWIZZLED_32 = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=2)
+    _UNSWIZZLED_16 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+def ss_stages_fit(block_n: int, block_m: int, stages: int) -> bool:
+    """Whether `stages` fit in one CTA's shared memory: each holds the x tile and the decoded A tile (fp16,
+    64 wide), the code words (32 bytes a row) and the scale box (16 bytes a row)."""
+    return stages * (2 * STEP_K * (block_n + block_m) + 48 * block_n) + 1024 <= SS_SMEM_BYTES
+
+
+def ss_registers(decoders: int, block_n: int) -> tuple:
+    """(maxnreg at launch, registers per decoder warpgroup) of the shared-A kernel: the register file
+    split over the MMA warpgroup, the decoders and the producer at launch (its one warp occupies a
+    warpgroup's worth: Triton counts 128 threads); the producer drops to 24 and each decoder to 96 (64
+    rows) or 128 (128 rows: 96 spill), and the MMA warpgroup takes what they free (>= 232 registers)."""
+    maxnreg = min(256, 65536 // ((2 + decoders) * 128)) // 8 * 8
+    return maxnreg, 96 if block_n <= 64 or decoders >= 3 else 128
+
+
 def ws_registers(consumers: int, ctas_per_sm: int) -> tuple:
     """(maxnreg at launch, registers per consumer warpgroup after reallocation): the register file (64K)
     split over ctas_per_sm CTAs of consumers + 1 warpgroups, the producer's down to 24."""
@@ -519,14 +790,28 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
 
     m, k = x2.shape
     n = w.n
-    xp = permute_x(x2)
-    layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, STEP_K], gl.float16)
+    if cfg.decoders:   # bf16 x as it is (TMA: 16-byte aligned rows)
+        xp = x2 if x2.data_ptr() % 16 == 0 and x2.stride(0) == k else x2.contiguous().clone()
+        layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, STEP_K], gl.bfloat16)
+    else:              # fp16 x * 2^-8 in the register-A kernels' K order
+        xp = permute_x(x2)
+        layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, STEP_K], gl.float16)
     desc = TensorDescriptor.from_tensor(xp, [cfg.block_m, STEP_K], layout)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
     ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32) if cfg.split_k > 1 else out
     words = w.qweight.view(torch.int32)                      # [N, K/8]; K % 64 == 0 keeps rows aligned
     pairs = w.scales.view(torch.int16)                       # [N, K/32]
-    if cfg.ws:
+    if cfg.decoders:
+        _check_ss(cfg, k)
+        maxnreg, regs = ss_registers(cfg.decoders, cfg.block_n)
+        w_desc = TensorDescriptor.from_tensor(words, [cfg.block_n, 8], _SWIZZLED_32)
+        s_desc = TensorDescriptor.from_tensor(pairs, [cfg.block_n, 8], _UNSWIZZLED_16)
+        _w4a16_gluon_ss_kernel[grid](desc, w_desc, s_desc, w.global_scale, out, ws, m, n, k, out.stride(0),
+                                     SS_ACC_FACTOR,
+                                     BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                                     SPLIT_K=cfg.split_k, DECODERS=cfg.decoders, REGS=regs, num_warps=4,
+                                     maxnreg=maxnreg)
+    elif cfg.ws:
         if k % 128:
             raise ValueError(f"the warp-specialized Gluon kernel needs K % 128 == 0 (got K = {k}); use a "
                              f"GluonGemmConfig with ws=False")
@@ -551,6 +836,23 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
     return out
 
 
+def _check_ss(cfg: GluonGemmConfig, k: int) -> None:
+    """The shared-A kernel's limits, stated before Triton fails with a less direct message."""
+    if k % SS_K_MULTIPLE:
+        raise ValueError(f"{cfg.short()}: the shared-A kernel loads the scales by TMA, whose row stride (K/16 "
+                         f"bytes) must be a multiple of 16: K % {SS_K_MULTIPLE} == 0 (got K = {k}); use "
+                         f"decoders=0")
+    if cfg.decoders not in (1, 2, 3) or cfg.block_n not in (64, 128):
+        raise ValueError(f"{cfg.short()}: the shared-A kernel takes block_n = 64 or 128 rows and 1-3 "
+                         f"decoder warpgroups (256 rows or 4 decoders would leave too few registers)")
+    if cfg.block_n * cfg.block_m > 256 * 64:
+        raise ValueError(f"{cfg.short()}: one MMA warpgroup holds block_n * block_m / 128 fp32 accumulators "
+                         f"per thread; keep block_n * block_m <= 16384 (e.g. block_m = 128 with block_n = 128)")
+    if not ss_stages_fit(cfg.block_n, cfg.block_m, cfg.stages):
+        raise ValueError(f"{cfg.short()}: {cfg.stages} stages of {(cfg.block_n + cfg.block_m) * 128} bytes "
+                         f"exceed the {SS_SMEM_BYTES} bytes of shared memory; use fewer stages")
+
+
 def emulate(x2: torch.Tensor, w: PreparedFP4Weight) -> torch.Tensor:
     """The kernel's arithmetic in torch (fp32), step by step: decode the kernel-layout bytes of each 64-wide
     step as the lanes see them ([N, gr, j] -> low/high elements times their block scales), reorder them
@@ -571,6 +873,24 @@ def emulate(x2: torch.Tensor, w: PreparedFP4Weight) -> torch.Tensor:
     xp = permute_x(x2) if x2.is_cuda else _permute_x_torch(x2)
     acc = xp.float() @ a.t()
     return (acc * (w.global_scale.float() * ACC_FACTOR)).to(torch.bfloat16)
+
+
+def emulate_ss_weight(w: PreparedFP4Weight) -> torch.Tensor:
+    """The shared-A kernel's decoded A [N, K] (bf16, physical K order) by the bit operations of
+    _SCALE_BF16_ASM and _DECODE_WORD_BF16_ASM in torch: equals dequant(W) / s_global * 2^-106 exactly when
+    the bit tricks are right (the CPU tests check that)."""
+    n, k = w.n, w.k
+    b = w.qweight.to(torch.int32)                                     # [N, K/2] kernel-layout bytes
+    u_lo = (b << 8) & 0x8E00                                          # w4a16_gemv's fp16 bits
+    u_hi = ((b << 5) & 0x0E00) | ((b << 15) & 0x8000)
+
+    def to_bf16(u):
+        return (((u | (u >> 3)) & 0x81C0).to(torch.int16)).view(torch.bfloat16)   # code * 2^-126
+    codes = torch.stack((to_bf16(u_lo), to_bf16(u_hi)), -1).view(n, k // 32, 16, 2)   # [N, group, j, h]
+    s = ((w.scales.to(torch.int32) << 4) & 0x0FF0).to(torch.int16).view(torch.bfloat16)  # s * 2^-107
+    s = (s * torch.tensor(2.0 ** 127, dtype=torch.bfloat16)).view(n, k // 32, 2)        # [N, group, h]
+    a = codes * s.unsqueeze(2)                                        # bf16 products (exact)
+    return a.permute(0, 1, 3, 2).reshape(n, k)                        # [N, group, h, j]: physical order
 
 
 def _permute_x_torch(x2: torch.Tensor) -> torch.Tensor:

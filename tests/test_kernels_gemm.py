@@ -308,12 +308,41 @@ def test_gluon_index_algebra_reproduces_the_reference():
     assert _rel(G.emulate(unpermuted, w), ref) > 0.5, "a wrong K pairing must show"
 
 
+def test_gluon_shared_a_bf16_decode_is_exact():
+    """The shared-A kernel's bf16 bit decode (codes into bf16 bits, scale bytes re-read as bf16 and times
+    2^127) gives dequant(W) / s_global * 2^-106 bit for bit, subnormal codes and zero scales included; a
+    wrong shift must show."""
+    from megatron_qrl.kernels import w4a16_gluon_gemm as G
+    from megatron_qrl.kernels.layouts import prepare_nvfp4_weight
+
+    gen = torch.Generator().manual_seed(_seed())
+    n, k = 32, 256
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)   # every code value
+    scales = (torch.rand(n, k // 16, generator=gen) * 400).to(torch.float8_e4m3fn)
+    scales[0, :3] = 0.0                                                  # zero blocks
+    scales[1, :] = torch.tensor(2.0 ** -9).to(torch.float8_e4m3fn)      # the smallest E4M3 subnormal
+    w = prepare_nvfp4_weight(packed, scales, torch.tensor(0.37))
+    a = G.emulate_ss_weight(w)
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    codes = torch.stack((packed & 15, packed >> 4), -1).view(n, k).long()
+    exact = table[codes] * scales.float().repeat_interleave(16, 1)     # dequant(W) / s_global, exact
+    assert torch.equal(a.float() * 2.0 ** 106, exact)
+    got = a.float() * 2.0 ** 106 * float(w.global_scale) / G.NVFP4_GLOBAL_FOLD
+    want = w4a16_gemm_reference(torch.eye(k, dtype=torch.bfloat16), w).float().t()   # dequant(W) [N, K]
+    assert torch.equal(got.to(torch.bfloat16), want.to(torch.bfloat16))
+    assert G.SS_ACC_FACTOR == 2.0 ** 84
+    wrong = ((w.qweight.to(torch.int32) << 8) & 0x8E00) >> 2             # a shift of 2 instead of 3
+    assert not torch.equal((((wrong | (wrong >> 2)) & 0x81C0).to(torch.int16)).view(torch.bfloat16),
+                           a.view(n, k // 32, 2, 16)[:, :, 0, :].reshape(n, k // 2))
+
+
 def test_gluon_config_choices_and_refusals():
     from megatron_qrl.kernels import w4a16_gluon_gemm as G
 
     for m in (17, 128, 300):
         cands = G.gluon_candidates(m, 4096, 7168)
-        assert cands and all(c.block_m in (32, 128, 256) and c.block_m >= min(m, 256) for c in cands)
+        assert cands and all(c.block_m in (32, 128, 256) and c.block_m >= min(m, 128 if c.decoders else 256)
+                             for c in cands)
     assert {c.block_n for c in G.gluon_candidates(128, 14336, 4096)} == {64, 128, 192, 256}
     assert not any(c.ws for c in G.gluon_candidates(128, 4096, 4160))           # odd step count: no pairs
     assert not G.default_gluon_config(128, 4096, 4160).ws
@@ -321,8 +350,11 @@ def test_gluon_config_choices_and_refusals():
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
     ws = dict(ws=True, ctas_per_sm=1)
-    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 6, 1, 4, **ws)   # 112 CTAs
-    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 6, 4, 4, **ws)    # 128 CTAs
+    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 5, 1, 4, decoders=2)  # 112
+    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 5, 4, 4, decoders=2)   # 128
+    assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 6, 4, 4, decoders=2)
+    assert G.default_gluon_config(128, 4096, 4224) == GluonGemmConfig(128, 128, 6, 4, 4, **ws)  # K % 256
+    assert G.default_gluon_config(256, 4096, 7168) == GluonGemmConfig(128, 256, 6, 4, 4, **ws)
     assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 256, 6, 2, 4, **ws)
     assert G.ws_registers(2, 1) == (168, 240) and G.ws_registers(4, 1) == (96, 112)
     assert G.default_gluon_config(128, 14336, 4096) in G.gluon_candidates(128, 14336, 4096)
@@ -334,6 +366,23 @@ def test_gluon_config_choices_and_refusals():
             G.launch_gluon_gemm(torch.zeros(64, 128, dtype=torch.bfloat16, device=DEVICE), w4,
                                 G.GluonGemmConfig(256, 64, 3, 1, 4, ws=True, ctas_per_sm=2),
                                 torch.empty(64, 256, dtype=torch.bfloat16, device=DEVICE))
+    ss = [c for c in G.gluon_candidates(128, 14336, 4096) if c.decoders]
+    assert {c.decoders for c in ss} == {2, 3} and all(c.block_m == 128 and c.block_n == 128 for c in ss)
+    assert all(G.ss_stages_fit(c.block_n, c.block_m, c.stages) for c in G.gluon_candidates(64, 4096, 7168)
+               if c.decoders)
+    assert all(c.block_m == 128 for c in G.gluon_candidates(512, 4096, 7168) if c.decoders)
+    assert not any(c.decoders for c in G.gluon_candidates(128, 4096, 4160))    # TMA scale rows: K % 256
+    assert G.ss_registers(2, 128) == (128, 128) and G.ss_registers(1, 64) == (168, 96)
+    assert G.ss_registers(3, 128) == (96, 96)
+    assert not G.ss_stages_fit(128, 128, 6) and G.ss_stages_fit(128, 128, 5)
+    for bad, why in ((GluonGemmConfig(256, 64, 4, 1, 4, decoders=2), "block_n = 64 or 128"),
+                     (GluonGemmConfig(128, 64, 4, 1, 4, decoders=4), "1-3"),
+                     (GluonGemmConfig(128, 256, 2, 1, 4, decoders=2), "accumulators"),
+                     (GluonGemmConfig(128, 128, 6, 1, 4, decoders=2), "shared memory")):
+        with pytest.raises(ValueError, match=why):
+            G._check_ss(bad, 4096)
+    with pytest.raises(ValueError, match="K % 256"):
+        G._check_ss(GluonGemmConfig(128, 128, 4, 1, 4, decoders=2), 4160)
     w = _weight("mxfp4", 64, 128, gen)
     with pytest.raises(ValueError, match="NVFP4"):
         G.launch_gluon_gemm(torch.zeros(32, 128, dtype=torch.bfloat16, device=DEVICE), w, G.GluonGemmConfig(),
@@ -377,6 +426,11 @@ if DEVICE == "cuda":
         (100, 200, 1024, GluonGemmConfig(192, 128, 6, 3, 4, ws=True)),  # 3 consumers, partial tiles, split 3
         (33, 256, 768, GluonGemmConfig(256, 64, 3, 5, 4, ws=True)),     # 4 consumers, uneven split-K 5
         (300, 128, 256, GluonGemmConfig(128, 256, 3, 1, 4, ws=True)),   # 256-token tiles, 4 steps
+        (128, 256, 768, GluonGemmConfig(128, 128, 5, 1, 4, decoders=2)),  # shared A: 12 steps over 5 stages
+        (100, 200, 1280, GluonGemmConfig(128, 128, 4, 3, 4, decoders=1)),  # partial tiles, 20 steps, split 3
+        (33, 320, 768, GluonGemmConfig(128, 64, 3, 5, 4, decoders=2)),   # 64-token tiles, uneven split-K 5
+        (130, 136, 1792, GluonGemmConfig(128, 128, 5, 1, 4, decoders=3)),  # 3 decoders: 28 steps, 2 partial groups
+        (300, 64, 256, GluonGemmConfig(64, 128, 6, 1, 4, decoders=1)),   # 3 token tiles, 4 steps < 6 stages
     ], ids=lambda v: v.short() if isinstance(v, GluonGemmConfig) else str(v))
     def test_gluon_gemm_matches_reference_gpu(m, n, k, cfg):
         _check_configs(m, n, k, [cfg], deterministic=True)

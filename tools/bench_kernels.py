@@ -299,6 +299,8 @@ def bench_dense(args, copy_bw, log):
                     [lambda w=w: torch.matmul(x, w.t()) for w in w_bf16], args.rep_ms), float("nan"))
                 results = []
                 for cfg in dense_configs(dense, fmt, m, n, k, args.configs, args.only):
+                    if os.environ.get("BENCH_TRACE"):   # which config a hang or crash happened in
+                        print(f"  trace: K={k} N={n} M={m} {cfg.short()}", flush=True)
                     xx = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)  # fresh inputs
                     err = safe(log, cfg.short(), lambda: max(
                         rel_err(dense.w4a16_gemm(xx, wq, config=cfg), xx.float() @ wd.t()),
@@ -586,19 +588,23 @@ def profile(args):
     k, n = DENSE_SHAPES[0]
     w = _random_prepared(layouts, "nvfp4", None, n, k)
     wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-    for m in (1, 128):
+    for m in ((128,) if args.only else (1, 128)):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         cases.append((f"bf16 M={m}", lambda x=x: torch.matmul(x, wb.t())))
-        cfgs = dense_configs(dense, "nvfp4", m, n, k, "all")
-        cfgs = cfgs[:3] + [c for c in cfgs[3:] if c.short() in ("G64x128/s2/sk1/w4", "G256x128/s2/sk2/w16")]
+        if args.only:   # the configs named by --only, at M = 128
+            cfgs = dense_configs(dense, "nvfp4", m, n, k, "all", args.only)
+        else:
+            cfgs = dense_configs(dense, "nvfp4", m, n, k, "all")
+            cfgs = cfgs[:3] + [c for c in cfgs[3:] if c.short() in ("G64x128/s2/sk1/w4", "G256x128/s2/sk2/w16")]
         for cfg in cfgs:
             cases.append((f"fp4 M={m} {cfg.short()}", lambda x=x, cfg=cfg: dense.w4a16_gemm(x, w, config=cfg)))
-    e, h, f = MOE["experts"], MOE["hidden"], MOE["ffn"]
-    w13 = _random_prepared(layouts, "nvfp4", e, 2 * f, h)
-    w2 = _random_prepared(layouts, "nvfp4", e, h, f)
-    x = torch.randn(32, h, device=DEV, dtype=torch.bfloat16)
-    ids, tw = _routing(32)
-    cases.append(("moe T=32", lambda: moe.moe_w4a16(x, w13, w2, ids, tw)))
+    if not args.only:
+        e, h, f = MOE["experts"], MOE["hidden"], MOE["ffn"]
+        w13 = _random_prepared(layouts, "nvfp4", e, 2 * f, h)
+        w2 = _random_prepared(layouts, "nvfp4", e, h, f)
+        x = torch.randn(32, h, device=DEV, dtype=torch.bfloat16)
+        ids, tw = _routing(32)
+        cases.append(("moe T=32", lambda: moe.moe_w4a16(x, w13, w2, ids, tw)))
     for _, fn in cases:  # compile + warm up outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -3,7 +3,7 @@
 # and optionally (NCU=1) an Nsight Compute profile of a few kernels.
 # Usage (repository root): OUT=results/ bash tools/gpu_kernels.sh [extra bench_kernels.py args]
 # (SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; TEST_K=expr passes -k expr to the GPU tests; NCU_KERNELS=regex
-# and NCU_EXTRA="--section ..." narrow or widen the profile)
+# and NCU_EXTRA="--section ..." narrow or widen the profile; NCU_ONLY=prefixes profiles those configs at M = 128)
 # The package is made importable without installing its dependencies (the kernels need torch + triton
 # only): megatron_qrl/ and kernels/ (as megatron_qrl/kernels) are copied into a scratch dir on PYTHONPATH,
 # and the tests run from there (so the checkout's own megatron_qrl/ cannot shadow the copy).
@@ -45,7 +45,7 @@ if [ "${NCU:-0}" = "1" ]; then
       -k regex:"${NCU_KERNELS:-w4a16|moe_gemm|gemv|gemm|nvjet|xmma|cutlass}" \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
-      python3 tools/bench_kernels.py --out "$OUT/prof" --profile > "$OUT/ncu.txt" 2>&1
+      python3 tools/bench_kernels.py --out "$OUT/prof" --profile ${NCU_ONLY:+--only "$NCU_ONLY"} > "$OUT/ncu.txt" 2>&1
     echo "ncu exit code: $?"
     grep -E "^  [_a-zA-Z].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Issue Slots|Warp Cycles Per Issued|profiled case" "$OUT/ncu.txt" | head -150
   else
