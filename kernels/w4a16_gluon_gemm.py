@@ -1,5 +1,15 @@
-"""Mid-M NVFP4 W4A16 on Hopper wgmma with the weights as a *register* A operand, written in Gluon:
-y[M, N] = x[M, K] (bf16) @ dequant(W)[N, K]^T for M of a few dozen to a few hundred tokens.
+"""Mid-M NVFP4 W4A16 on Hopper wgmma, written in Gluon: y[M, N] = x[M, K] (bf16) @ dequant(W)[N, K]^T for
+M of a few dozen to a few hundred tokens. Two designs live here.
+
+Shared-A (`_w4a16_gluon_ss_kernel`, the default up to 128 tokens when K % 256 == 0): a producer warp
+brings the activation tile, the code words and the scales of each 64-wide K step into a ring of shared
+stages by TMA; decoder warpgroups (on alternate steps) decode the codes into a bf16 A tile in the same
+stage (A = code * 2^-126 * s * 2^20, exact; bit tricks in `_DECODE_WORD_BF16_ASM`); one MMA warpgroup
+issues shared x shared wgmmas with one left in flight. Decode and MMA are separate warps, so the
+register-A hazard below does not arise, and x enters as it is (bf16, physical K order: no permute pass).
+On the H200: 0.88-0.90x bf16 at M = 128, 0.97-1.13x at M = 64 (docs/PERF.md).
+
+Register-A (the rest of this docstring; the default above 128 tokens):
 
 Why: the Triton wgmma kernel (w4a16_gemm.py) decodes each FP4 tile into registers, stores it to shared
 memory and feeds the wgmma from there, one K step after another; at M = 128 it reaches 0.52x bf16 cuBLAS on
