@@ -122,11 +122,10 @@ def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmCon
     column, split-K up to one wave, 6 activation stages (at M = 512 it beat the shared-A kernel at
     (4096, 14336) and the non-specialized variants by 1.05-1.32x)."""
     bm = _token_block(m)
-    if bm <= 128 and k % SS_K_MULTIPLE == 0:
-        tiles = -(-n // 128) * -(-m // bm)
-        stages = max(s for s in range(2, 7) if ss_stages_fit(128, bm, s))
-        return GluonGemmConfig(128, bm, stages, _largest_split(tiles, k // STEP_K, sms), 4, decoders=2)
     tiles = -(-n // 128) * -(-m // bm)
+    if bm <= 128 and k % SS_K_MULTIPLE == 0:
+        return GluonGemmConfig(128, bm, _ss_stages(128, bm), _largest_split(tiles, k // STEP_K, sms), 4,
+                               decoders=2)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
         sk = _largest_split(tiles, k // STEP_K, 2 * sms, (1, 2, 4, 8))
         return GluonGemmConfig(128, bm, 2, sk, 8)
@@ -166,9 +165,8 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
     for bn, decs in ((128, (2, 3)),) if k % SS_K_MULTIPLE == 0 else ():
         tiles = -(-n // bn) * -(-m // bm_ss)
         sk = _largest_split(tiles, steps, sms)
-        st = max(s for s in range(2, 7) if ss_stages_fit(bn, bm_ss, s))
         for d in decs:
-            out.append(GluonGemmConfig(bn, bm_ss, st, sk, 4, decoders=d))
+            out.append(GluonGemmConfig(bn, bm_ss, _ss_stages(bn, bm_ss), sk, 4, decoders=d))
     return list(dict.fromkeys(out))
 
 
@@ -250,27 +248,8 @@ mul.rn.bf16x2 $1, h, k;
 # One word -> bf16x2 code * 2^-126 (same element order as _DECODE_WORD_ASM), times the scales: the fp16
 # bits u of w4a16_gemv's decode hold the code's 3 magnitude bits at 9..11 and its sign at 15; bf16 wants
 # them at 6..8 and 15, so bf16 = (u | u >> 3) & 0x81C0 per half (code * 2^-126, subnormals included).
-_DECODE_WORD_BF16_ASM = tl.constexpr("""{
-.reg .b32 t0, t1, u, a, c;
-prmt.b32 t0, $4, 0, 0x1404;
-prmt.b32 t1, $4, 0, 0x3424;
-and.b32 u, t0, 0x8E008E00;
-shr.b32 a, u, 3;
-lop3.b32 $0, u, a, 0x81C081C0, 0xA8;
-and.b32 u, t1, 0x8E008E00;
-shr.b32 a, u, 3;
-lop3.b32 $1, u, a, 0x81C081C0, 0xA8;
-shr.b32 a, t0, 3;
-shl.b32 c, t0, 7;
-lop3.b32 u, a, c, 0x8E008E00, 0xA8;
-shr.b32 a, u, 3;
-lop3.b32 $2, u, a, 0x81C081C0, 0xA8;
-shr.b32 a, t1, 3;
-shl.b32 c, t1, 7;
-lop3.b32 u, a, c, 0x8E008E00, 0xA8;
-shr.b32 a, u, 3;
-lop3.b32 $3, u, a, 0x81C081C0, 0xA8;
-mul.rn.bf16x2 $0, $0, $5;
+_DECODE_WORD_BF16_ASM = tl.constexpr(_GEMV_WORD_DECODE.value.rstrip().removesuffix("}") + "".join(
+    f"shr.b32 a, ${r}, 3;\nlop3.b32 ${r}, ${r}, a, 0x81C081C0, 0xA8;\n" for r in range(4)) + """mul.rn.bf16x2 $0, $0, $5;
 mul.rn.bf16x2 $1, $1, $5;
 mul.rn.bf16x2 $2, $2, $6;
 mul.rn.bf16x2 $3, $3, $6;
@@ -342,22 +321,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _halves(v):
-        """int32 holding fp16x2 -> (low, high) fp16 (a register split, no arithmetic)."""
-        return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [v],
-                                         dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+        """int32 holding a 16-bit pair -> (low, high) int16 (a register split, no arithmetic)."""
+        return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [v], dtype=(gl.int16, gl.int16),
+                                         is_pure=True, pack=1)
 
     @gluon.jit
-    def _decode_a(words, sp, BLOCK_N: gl.constexpr, a_layout: gl.constexpr):
-        """words [BN, 2, 4] int32 (kernel-layout code bytes), sp [BN, 2] int16 (the prepared scale bytes
-        of the group's low | high blocks) -> fp16 A [BN, 64] in the wgmma register layout (logical K
-        order). One inline-PTX routine per word: 4 fp16x2 results, each times its block scale."""
-        sl, sh = gl.inline_asm_elementwise(_SCALE_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
+    def _decode_words(words, sp, ROWS: gl.constexpr, SCALE_ASM: gl.constexpr, WORD_ASM: gl.constexpr,
+                      DTYPE: gl.constexpr):
+        """words [ROWS, 2, 4] int32 (kernel-layout code bytes), sp [ROWS, 2] int16 (the prepared scale
+        bytes of the group's low | high blocks) -> the scaled codes as [ROWS, gr, j3, j2, j0, j1, h] DTYPE
+        (physical K offset 32 gr + 16 h + 8 j3 + 4 j2 + 2 j1 + j0). One inline-PTX routine per word: 4
+        16-bit pairs, each times its block scale."""
+        sl, sh = gl.inline_asm_elementwise(SCALE_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
                                            is_pure=True, pack=1)
-        sl = gl.expand_dims(sl, 2)
-        sh = gl.expand_dims(sh, 2)
-        sl, _ = gl.broadcast(sl, words)
-        sh, _ = gl.broadcast(sh, words)
-        d0, d1, d2, d3 = gl.inline_asm_elementwise(_DECODE_WORD_ASM, "=r,=r,=r,=r,r,r,r", [words, sl, sh],
+        sl, _ = gl.broadcast(gl.expand_dims(sl, 2), words)
+        sh, _ = gl.broadcast(gl.expand_dims(sh, 2), words)
+        d0, d1, d2, d3 = gl.inline_asm_elementwise(WORD_ASM, "=r,=r,=r,=r,r,r,r", [words, sl, sh],
                                                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
                                                    is_pure=True, pack=1)
         # d0 = low elements of bytes 0, 1 (j1 = 0, j0 = 0/1), d1 = bytes 2, 3 (j1 = 1); d2, d3 high
@@ -365,41 +344,26 @@ if HAVE_GLUON:
         d1a, d1b = _halves(d1)
         d2a, d2b = _halves(d2)
         d3a, d3b = _halves(d3)
-        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))           # [BN, gr, w, j0, j1]
-        hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
-        a = gl.join(lo, hi)                                            # [BN, gr, w, j0, j1, h]
-        a = gl.reshape(a, [BLOCK_N, 2, 2, 2, 2, 2, 2])                 # [BN, gr, j3, j2, j0, j1, h]
-        a = gl.permute(a, [0, 6, 3, 5, 1, 2, 4])                       # -> [BN, h, j2, j1, gr, j3, j0]
-        a = gl.reshape(a, [BLOCK_N, 64])
-        return gl.convert_layout(a, a_layout, assert_trivial=True)
-
-    @gluon.jit
-    def _bf16_halves(v):
-        """int32 holding bf16x2 -> (low, high) bf16 (a register split, no arithmetic)."""
-        return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [v],
-                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-
-    @gluon.jit
-    def _decode_a_bf16(words, sp, ROWS: gl.constexpr):
-        """words [ROWS, 2, 4] int32, sp [ROWS, 2] int16 -> bf16 A [ROWS, 64] = w / s_global * 2^-106 in the
-        *physical* K order (it goes through shared memory, so no register layout fixes its order and x
-        needs no permutation)."""
-        sl, sh = gl.inline_asm_elementwise(_SCALE_BF16_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
-                                           is_pure=True, pack=1)
-        sl, _ = gl.broadcast(gl.expand_dims(sl, 2), words)
-        sh, _ = gl.broadcast(gl.expand_dims(sh, 2), words)
-        d0, d1, d2, d3 = gl.inline_asm_elementwise(_DECODE_WORD_BF16_ASM, "=r,=r,=r,=r,r,r,r", [words, sl, sh],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
-        d0a, d0b = _bf16_halves(d0)
-        d1a, d1b = _bf16_halves(d1)
-        d2a, d2b = _bf16_halves(d2)
-        d3a, d3b = _bf16_halves(d3)
         lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))           # [R, gr, w, j0, j1]
         hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
         a = gl.reshape(gl.join(lo, hi), [ROWS, 2, 2, 2, 2, 2, 2])      # [R, gr, j3, j2, j0, j1, h]
+        return a.to(DTYPE, bitcast=True)
+
+    @gluon.jit
+    def _decode_a(words, sp, BLOCK_N: gl.constexpr, a_layout: gl.constexpr):
+        """Register-A kernels: fp16 A [BN, 64] = code * 2^-14 * s * 2^5 in the wgmma register layout
+        (logical K order, `A_PERM`)."""
+        a = _decode_words(words, sp, BLOCK_N, _SCALE_ASM, _DECODE_WORD_ASM, gl.float16)
+        a = gl.permute(a, [0, 6, 3, 5, 1, 2, 4])                       # -> [BN, h, j2, j1, gr, j3, j0]
+        return gl.convert_layout(gl.reshape(a, [BLOCK_N, 64]), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _decode_a_bf16(words, sp, ROWS: gl.constexpr):
+        """Shared-A kernel: bf16 A [ROWS, 64] = w / s_global * 2^-106 in the *physical* K order (it goes
+        through shared memory, so no register layout fixes its order and x needs no permutation)."""
+        a = _decode_words(words, sp, ROWS, _SCALE_BF16_ASM, _DECODE_WORD_BF16_ASM, gl.bfloat16)
         a = gl.permute(a, [0, 1, 6, 2, 3, 5, 4])                       # -> [R, gr, h, j3, j2, j1, j0]
-        return gl.reshape(a, [ROWS, 64])                               # phys = 32 gr + 16 h + j
+        return gl.reshape(a, [ROWS, 64])
 
     @gluon.jit
     def _mma_step(i, n_steps, t_begin, words, sp, acc, x_desc, x_smem, bars, off_m,
@@ -754,6 +718,11 @@ def ss_stages_fit(block_n: int, block_m: int, stages: int) -> bool:
     return stages * (2 * STEP_K * (block_n + block_m) + 48 * block_n) + 1024 <= SS_SMEM_BYTES
 
 
+def _ss_stages(block_n: int, block_m: int) -> int:
+    """The shared-A kernel's stage count: as many as fit, up to 6."""
+    return max(s for s in range(2, 7) if ss_stages_fit(block_n, block_m, s))
+
+
 def ss_registers(decoders: int, block_n: int) -> tuple:
     """(maxnreg at launch, registers per decoder warpgroup) of the shared-A kernel: the register file
     split over the MMA warpgroup, the decoders and the producer at launch (its one warp occupies a
@@ -863,6 +832,13 @@ def _check_ss(cfg: GluonGemmConfig, k: int) -> None:
                          f"exceed the {SS_SMEM_BYTES} bytes of shared memory; use fewer stages")
 
 
+def _code_fp16_bits(w: PreparedFP4Weight) -> tuple:
+    """The fp16 bits (int32) of code * 2^-14 for the low and the high element of each kernel-layout byte
+    [N, K/2], as w4a16_gemv's word decode makes them (layouts.py)."""
+    b = w.qweight.to(torch.int32)
+    return (b << 8) & 0x8E00, ((b << 5) & 0x0E00) | ((b << 15) & 0x8000)
+
+
 def emulate(x2: torch.Tensor, w: PreparedFP4Weight) -> torch.Tensor:
     """The kernel's arithmetic in torch (fp32), step by step: decode the kernel-layout bytes of each 64-wide
     step as the lanes see them ([N, gr, j] -> low/high elements times their block scales), reorder them
@@ -870,9 +846,7 @@ def emulate(x2: torch.Tensor, w: PreparedFP4Weight) -> torch.Tensor:
     when the index algebra is right; the CPU tests check that."""
     n, k = w.n, w.k
     steps = k // STEP_K
-    b = w.qweight.to(torch.int32)                                     # [N, K/2] kernel-layout bytes
-    lo = ((b << 8) & 0x8E00).to(torch.int16).view(torch.float16)     # the decode of w4a16_gemm._codes_f16
-    hi = (((b << 5) & 0x0E00) | ((b << 15) & 0x8000)).to(torch.int16).view(torch.float16)
+    lo, hi = (u.to(torch.int16).view(torch.float16) for u in _code_fp16_bits(w))
     codes = torch.stack((lo, hi), -1).float().view(n, steps, 2, 16, 2)   # [N, step, gr, j, h]: code * 2^-14
     s = w.scales.view(n, steps, 2, 2).to(torch.int32)                 # [N, step, gr, h] prepared bytes
     s_f = ((s << 7).to(torch.int16).view(torch.float16)).float()      # s * 2^5
@@ -890,13 +864,8 @@ def emulate_ss_weight(w: PreparedFP4Weight) -> torch.Tensor:
     _SCALE_BF16_ASM and _DECODE_WORD_BF16_ASM in torch: equals dequant(W) / s_global * 2^-106 exactly when
     the bit tricks are right (the CPU tests check that)."""
     n, k = w.n, w.k
-    b = w.qweight.to(torch.int32)                                     # [N, K/2] kernel-layout bytes
-    u_lo = (b << 8) & 0x8E00                                          # w4a16_gemv's fp16 bits
-    u_hi = ((b << 5) & 0x0E00) | ((b << 15) & 0x8000)
-
-    def to_bf16(u):
-        return (((u | (u >> 3)) & 0x81C0).to(torch.int16)).view(torch.bfloat16)   # code * 2^-126
-    codes = torch.stack((to_bf16(u_lo), to_bf16(u_hi)), -1).view(n, k // 32, 16, 2)   # [N, group, j, h]
+    lo, hi = ((((u | (u >> 3)) & 0x81C0).to(torch.int16)).view(torch.bfloat16) for u in _code_fp16_bits(w))
+    codes = torch.stack((lo, hi), -1).view(n, k // 32, 16, 2)       # [N, group, j, h]: code * 2^-126
     s = ((w.scales.to(torch.int32) << 4) & 0x0FF0).to(torch.int16).view(torch.bfloat16)  # s * 2^-107
     s = (s * torch.tensor(2.0 ** 127, dtype=torch.bfloat16)).view(n, k // 32, 2)        # [N, group, h]
     a = codes * s.unsqueeze(2)                                        # bf16 products (exact)
