@@ -160,9 +160,10 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         for st in (3, 6):
             out.append(GluonGemmConfig(bn, bm, st, sk, 4, ws=True, ctas_per_sm=1))
     # shared-A (K % 256 == 0): up to 128 tokens per CTA (the MMA warpgroup's accumulators), as many
-    # stages as fit up to 6, two or three decoder warpgroups (one was always slower)
+    # stages as fit up to 6, two or three decoder warpgroups (one was always slower); 64-row tiles halve
+    # the split-K partials where 128-row tiles need a deep split to fill the SMs
     bm_ss = min(128, bm)
-    for bn, decs in ((128, (2, 3)),) if k % SS_K_MULTIPLE == 0 else ():
+    for bn, decs in ((128, (2, 3)), (64, (2,))) if k % SS_K_MULTIPLE == 0 else ():
         tiles = -(-n // bn) * -(-m // bm_ss)
         sk = _largest_split(tiles, steps, sms)
         for d in decs:
@@ -599,14 +600,23 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(s_desc, [row0, (t // 4) * 8], ready.index(stage), s_smem.index(stage))
 
     @gluon.jit
-    def _ss_decoder(d, w_smem, s_smem, a_smem, ready, a_ready, n_steps, ROWS: gl.constexpr,
+    def _ss_decoder(d, w_smem, s_smem, a_smem, ready, a_ready, empty, n_steps, ROWS: gl.constexpr,
                     STAGES: gl.constexpr, DECODERS: gl.constexpr):
-        """One warpgroup: decodes every DECODERS-th step (from step d) into its stage's A tile (the ring's
-        `ready` already implies the MMA released the stage's previous A). Decoders take whole steps, not
-        row slices: a step's decode is a latency chain (shared loads, decode, stores, fence, barrier), and
-        two decoders on alternate steps each get two MMA steps of time for it (measured: splitting the rows
-        instead ran no faster than one decoder). Splits start on a multiple of 4 steps and span a multiple
-        of 4, so step i's scale pairs are columns 2 (i % 4) .. of its box."""
+        """One warpgroup: decodes every DECODERS-th step (from step d) into its stage's A tile. Decoders
+        take whole steps, not row slices: a step's decode is a latency chain (shared loads, decode, stores,
+        fence, barrier), and two decoders on alternate steps each get two MMA steps of time for it
+        (measured: splitting the rows instead ran no faster than one decoder). Splits start on a multiple
+        of 4 steps and span a multiple of 4, so step i's scale pairs are columns 2 (i % 4) .. of its box.
+
+        Before `ready` the decoder waits on `empty` (the MMA released step i - STAGES), as the producer does.
+        A parity wait cannot tell phase k from phase k - 2: a decoder that skips DECODERS - 1 steps can
+        reach step i while `ready` of its stage is still in step i - STAGES's phase (that TMA landing after
+        a later step's), and the wait for step i's parity then passes at once. It decoded stale codes and
+        completed `a_ready` twice, so the MMA's next wait on it never returned: the hang seen in the bench
+        (GS128x128/s5/sk4/d3, (7168, 4096), M = 128). It needs a decoder count that does not divide the stage
+        count (else each stage's laps fall to one decoder), as with the M = 128 default: 5 stages, 2
+        decoders. With the `empty` wait, `ready` is at most one phase behind (tests/test_kernels_gemm.py
+        models the protocol; tools/stress_gluon.py replays the kernels on the GPU)."""
         w3: gl.constexpr = _ss_word_layout(ROWS, 3)
         for i0 in range(0, n_steps, 4 * DECODERS):
             for q in gl.static_range(4 * DECODERS):
@@ -614,6 +624,7 @@ if HAVE_GLUON:
                     i = i0 + q
                     if i < n_steps:
                         stage = i % STAGES
+                        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
                         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
                         words = w_smem.index(stage).load(_ss_word_layout(ROWS, 2))
                         words = gl.convert_layout(gl.reshape(words, [ROWS, 2, 4]), w3, assert_trivial=True)
@@ -655,7 +666,8 @@ if HAVE_GLUON:
             _ss_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tile_row0, off_m,
                          t_begin, t_end - t_begin, STAGES)
         else:
-            _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, t_end - t_begin, BLOCK_N, STAGES, DECODERS)
+            _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, empty, t_end - t_begin, BLOCK_N, STAGES,
+                        DECODERS)
 
     @gluon.jit(do_not_specialize=["M"])
     def _w4a16_gluon_ss_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, acc_factor,

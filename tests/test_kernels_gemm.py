@@ -336,6 +336,83 @@ def test_gluon_shared_a_bf16_decode_is_exact():
                            a.view(n, k // 32, 2, 16)[:, :, 0, :].reshape(n, k // 2))
 
 
+def _shared_a_protocol_faults(stages: int, decoders: int, n_steps: int, decoder_waits_empty: bool,
+                              seed: int) -> list:
+    """One random interleaving of the shared-A kernel's stage protocol (_w4a16_gluon_ss_kernel): the
+    producer, the decoders and the MMA warpgroup as sequences of mbarrier waits and arrives, and TMA loads
+    that land in any order. A parity wait passes as on the hardware (the barrier's count of completed
+    phases has the other parity). Returns the faults: a wait that passed before the phase it meant had
+    completed, or a deadlock."""
+    import random
+    rng = random.Random(seed)
+    done = {(b, s): 0 for b in ("ready", "a_ready", "empty") for s in range(stages)}   # completed phases
+
+    def wait(bar, i, released=False):      # the producer's form (released) or the consumers' form
+        lap = i // stages
+        return ("wait", bar, i % stages, (lap & 1) ^ 1 if released else lap & 1, lap - 1 if released else lap)
+
+    def producer():
+        for i in range(n_steps):
+            yield wait("empty", i, released=True)
+            yield ("load", i % stages)                         # three TMA copies, landing later
+    def decoder(d):
+        for i in range(d, n_steps, decoders):
+            if decoder_waits_empty:
+                yield wait("empty", i, released=True)
+            yield wait("ready", i)
+            yield ("arrive", "a_ready", i % stages)
+    def mma():
+        for i in range(n_steps):
+            yield wait("ready", i)
+            yield wait("a_ready", i)
+            if i > 0:                                          # wgmma i issued, i - 1 finished
+                yield ("arrive", "empty", (i - 1) % stages)
+
+    roles = {name: (gen, next(gen)) for name, gen in
+             [("producer", producer()), ("mma", mma())] + [(f"decoder{d}", decoder(d)) for d in range(decoders)]}
+    landing, faults = [], []
+    while roles or landing:
+        ready_roles = [n for n, (_, req) in roles.items()
+                       if req[0] != "wait" or done[req[1], req[2]] % 2 != req[3]]
+        if landing and (not ready_roles or rng.random() < 0.3):    # a pending load lands, in any order
+            done["ready", landing.pop(rng.randrange(len(landing)))] += 1
+            continue
+        if not ready_roles:
+            return faults + [f"deadlock: {sorted((n, r) for n, (_, r) in roles.items())}"]
+        name = rng.choice(ready_roles)
+        gen, req = roles[name]
+        if req[0] == "wait" and done[req[1], req[2]] != req[4] + 1:
+            faults.append(f"{name}: {req[1]}[{req[2]}] wait for phase {req[4]} passed after "
+                          f"{done[req[1], req[2]]} completed phases")
+        elif req[0] == "load":
+            landing.append(req[1])
+        elif req[0] == "arrive":
+            done[req[1], req[2]] += 1
+        try:
+            roles[name] = (gen, next(gen))
+        except StopIteration:
+            del roles[name]
+    return faults
+
+
+@pytest.mark.parametrize("stages,decoders", [(5, 2), (5, 3), (4, 3), (6, 2), (6, 3), (5, 1)])
+def test_gluon_shared_a_stage_protocol_has_no_early_wait(stages, decoders):
+    """The decoders wait on `empty` before `ready` (_ss_decoder). Without that wait a decoder that skips
+    steps can reach a stage whose `ready` is still in the previous lap's phase, and its parity wait passes
+    at once (stale codes; `a_ready` completed twice, the MMA's wait never returns: the hang measured on the
+    H200, GS128x128/s5/sk4/d3). The model finds such interleavings of the old protocol whenever the decoder
+    count does not divide the stage count (5 stages, the M = 128 default, with 2 decoders included); with
+    the wait, no run in the same sample passes a wait early or deadlocks."""
+    seeds = range(200)
+    old = [f for s in seeds for f in _shared_a_protocol_faults(stages, decoders, 28, False, s)]
+    new = [f for s in seeds for f in _shared_a_protocol_faults(stages, decoders, 28, True, s)]
+    assert new == []
+    if stages % decoders:
+        assert any("passed after" in f for f in old), "the model should find the unguarded early pass"
+    else:   # each stage's laps all fall to one decoder, which waited on the previous lap itself
+        assert old == []
+
+
 def test_gluon_config_choices_and_refusals():
     from megatron_qrl.kernels import w4a16_gluon_gemm as G
 
@@ -367,7 +444,9 @@ def test_gluon_config_choices_and_refusals():
                                 G.GluonGemmConfig(256, 64, 3, 1, 4, ws=True, ctas_per_sm=2),
                                 torch.empty(64, 256, dtype=torch.bfloat16, device=DEVICE))
     ss = [c for c in G.gluon_candidates(128, 14336, 4096) if c.decoders]
-    assert {c.decoders for c in ss} == {2, 3} and all(c.block_m == 128 and c.block_n == 128 for c in ss)
+    assert {(c.block_n, c.decoders) for c in ss} == {(128, 2), (128, 3), (64, 2)}
+    assert all(c.block_m == 128 for c in ss)
+    assert {(c.block_n, c.split_k) for c in G.gluon_candidates(128, 4096, 7168) if c.decoders} == {(128, 4), (64, 2)}
     assert all(G.ss_stages_fit(c.block_n, c.block_m, c.stages) for c in G.gluon_candidates(64, 4096, 7168)
                if c.decoders)
     assert all(c.block_m == 128 for c in G.gluon_candidates(512, 4096, 7168) if c.decoders)

@@ -585,19 +585,20 @@ def profile(args):
     """Run a few kernels between cudaProfilerStart/Stop (for `ncu --profile-from-start off`)."""
     layouts, dense, moe, *_ = _imports()
     cases = []
-    k, n = DENSE_SHAPES[0]
-    w = _random_prepared(layouts, "nvfp4", None, n, k)
-    wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-    for m in ((128,) if args.only else (1, 128)):
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        cases.append((f"bf16 M={m}", lambda x=x: torch.matmul(x, wb.t())))
-        if args.only:   # the configs named by --only, at M = 128
-            cfgs = dense_configs(dense, "nvfp4", m, n, k, "all", args.only)
-        else:
-            cfgs = dense_configs(dense, "nvfp4", m, n, k, "all")
-            cfgs = cfgs[:3] + [c for c in cfgs[3:] if c.short() in ("G64x128/s2/sk1/w4", "G256x128/s2/sk2/w16")]
-        for cfg in cfgs:
-            cases.append((f"fp4 M={m} {cfg.short()}", lambda x=x, cfg=cfg: dense.w4a16_gemm(x, w, config=cfg)))
+    for k, n in (DENSE_SHAPES if args.only else DENSE_SHAPES[:1]):   # --only: every dense shape
+        w = _random_prepared(layouts, "nvfp4", None, n, k)
+        wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        for m in ((128,) if args.only else (1, 128)):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            cases.append((f"bf16 ({k}, {n}) M={m}", lambda x=x, wb=wb: torch.matmul(x, wb.t())))
+            if args.only:   # the configs named by --only, at M = 128
+                cfgs = dense_configs(dense, "nvfp4", m, n, k, "all", args.only)
+            else:
+                cfgs = dense_configs(dense, "nvfp4", m, n, k, "all")
+                cfgs = cfgs[:3] + [c for c in cfgs[3:] if c.short() in ("G64x128/s2/sk1/w4", "G256x128/s2/sk2/w16")]
+            for cfg in cfgs:
+                cases.append((f"fp4 ({k}, {n}) M={m} {cfg.short()}",
+                              lambda x=x, w=w, cfg=cfg: dense.w4a16_gemm(x, w, config=cfg)))
     if not args.only:
         e, h, f = MOE["experts"], MOE["hidden"], MOE["ffn"]
         w13 = _random_prepared(layouts, "nvfp4", e, 2 * f, h)

@@ -2,8 +2,8 @@
 # W4A16 kernels on a GPU machine: correctness tests on the device, the benchmark (tools/bench_kernels.py),
 # and optionally (NCU=1) an Nsight Compute profile of a few kernels.
 # Usage (repository root): OUT=results/ bash tools/gpu_kernels.sh [extra bench_kernels.py args]
-# (SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; TEST_K=expr passes -k expr to the GPU tests; NCU_KERNELS=regex
-# and NCU_EXTRA="--section ..." narrow or widen the profile; NCU_ONLY=prefixes profiles those configs at M = 128)
+# (SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; STRESS=1 [STRESS_ARGS=...] adds tools/stress_gluon.py; TEST_K=expr passes -k expr to the GPU tests; NCU_KERNELS=regex
+# and NCU_EXTRA="--section ..." narrow or widen the profile; NCU_ONLY=prefixes profiles those configs at M = 128 on both dense shapes)
 # The package is made importable without installing its dependencies (the kernels need torch + triton
 # only): megatron_qrl/ and kernels/ (as megatron_qrl/kernels) are copied into a scratch dir on PYTHONPATH,
 # and the tests run from there (so the checkout's own megatron_qrl/ cannot shadow the copy).
@@ -38,6 +38,12 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
   brc=${PIPESTATUS[0]}
   echo "bench exit code: $brc"
 fi
+src=0
+if [ "${STRESS:-0}" = "1" ]; then   # hang / determinism stress of the Gluon kernels (tools/stress_gluon.py)
+  timeout "${STRESS_TIMEOUT:-300}" python3 tools/stress_gluon.py ${STRESS_ARGS:-} 2>&1 | tee "$OUT/stress.txt" | tail -40
+  src=${PIPESTATUS[0]}
+  echo "stress exit code: $src"
+fi
 if [ "${NCU:-0}" = "1" ]; then
   NCU_BIN="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
   if [ -n "$NCU_BIN" ]; then
@@ -52,4 +58,4 @@ if [ "${NCU:-0}" = "1" ]; then
     echo "ncu not found"
   fi
 fi
-[ "$rc" -eq 0 ] && [ "$brc" -eq 0 ]
+[ "$rc" -eq 0 ] && [ "$brc" -eq 0 ] && [ "$src" -eq 0 ]
