@@ -86,14 +86,11 @@ class GluonGemmConfig:
     ctas_per_sm: int = 1      # ws: the register budget is split for this many resident CTAs (2 leaves too
     #                           few registers for a wgmma with 2+ consumers: ptxas refuses, launch says so)
     decoders: int = 0         # > 0: the shared-A kernel (_w4a16_gluon_ss_kernel) with this many decoder
-    #                           warpgroups (1-3), one MMA warpgroup and a TMA producer warp
-    stream_k: bool = False    # shared-A, 128 rows: one CTA per SM over an even share of all tiles' K groups
-    #                           (split_k unused); tiles split across CTAs are summed in the kernel
+    #                           warpgroups (1 or 2), one MMA warpgroup and a TMA producer warp
 
     def short(self) -> str:
         if self.decoders:
-            split = "streamk" if self.stream_k else f"sk{self.split_k}"
-            return f"GS{self.block_n}x{self.block_m}/s{self.stages}/{split}/d{self.decoders}"
+            return f"GS{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/d{self.decoders}"
         if self.ws:
             return f"GW{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/c{self.ctas_per_sm}"
         return f"G{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/w{self.num_warps}"
@@ -171,8 +168,6 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         sk = _largest_split(tiles, steps, sms)
         for d in decs:
             out.append(GluonGemmConfig(bn, bm_ss, _ss_stages(bn, bm_ss), sk, 4, decoders=d))
-            if bn == 128:
-                out.append(GluonGemmConfig(bn, bm_ss, _ss_stages(bn, bm_ss), 1, 4, decoders=d, stream_k=True))
     return list(dict.fromkeys(out))
 
 
@@ -656,146 +651,14 @@ if HAVE_GLUON:
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
-    # ------------------------------------------------------------------------------------------------
-    # Stream-K schedule of the shared-A kernel: C CTAs (one per SM) share the G = tiles * K/256 groups of
-    # 4 K steps evenly; CTA c takes groups [c G / C, (c + 1) G / C), which covers the tail (high K) of one
-    # tile, maybe whole tiles, and the head of another. A CTA runs its pieces from the highest tile down,
-    # so the head piece of a tile comes first in its CTA and the tail piece last in the next CTA. The tail
-    # piece finishes the tile: it waits for the earlier pieces (lower CTAs, which did them first), adds
-    # their fp32 partials to its accumulators in piece order (deterministic) and stores bf16. A CTA only
-    # waits on lower CTAs' first pieces, so it cannot deadlock while blocks are dispatched in index order.
-    # Why: with 128-row tiles, N = 14336 has 112 tiles for 132 SMs; split-K in equal parts cannot fill
-    # them without a deep split (its partials cost a second kernel and their size in traffic).
-    # ------------------------------------------------------------------------------------------------
-    @gluon.jit
-    def _sk_range(G, C):
-        """This CTA's index and group range [g0, g1)."""
-        c = gl.program_id(0)
-        return c, (c * G) // C, ((c + 1) * G) // C
-
-    @gluon.jit
-    def _sk_owner(g, G, C):
-        """The CTA whose range holds group g (largest c with c G / C <= g; stream_k_slots mirrors it)."""
-        return ((g + 1) * C + G - 1) // G - 1
-
-    @gluon.jit
-    def _sk_piece(tt, g0, g1, GPT):
-        """Piece tt of the CTA (tiles from the highest down): (tile, first step, end step)."""
-        t = (g1 - 1) // GPT - tt
-        return t, gl.maximum(g0 - t * GPT, 0) * 4, gl.minimum(g1 - t * GPT, GPT) * 4
-
-    @gluon.jit
-    def _sk_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, G, C, GPT, tiles_n,
-                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """_ss_producer over the CTA's pieces, one continuous stage ring."""
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        c, g0, g1 = _sk_range(G, C)
-        j = 0
-        for tt in range((g1 - 1) // GPT - g0 // GPT + 1):
-            t, kb, ke = _sk_piece(tt, g0, g1, GPT)
-            row0 = (t % tiles_n) * BLOCK_N
-            off_m = (t // tiles_n) * BLOCK_M
-            for s in range(kb, ke):
-                stage = j % STAGES
-                mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(stage), nbytes)
-                tma.async_copy_global_to_shared(x_desc, [off_m, s * 64], ready.index(stage), x_smem.index(stage))
-                tma.async_copy_global_to_shared(w_desc, [row0, s * 8], ready.index(stage), w_smem.index(stage))
-                tma.async_copy_global_to_shared(s_desc, [row0, (s // 4) * 8], ready.index(stage),
-                                                s_smem.index(stage))
-                j += 1
-
-    @gluon.jit
-    def _sk_flag_add(flag_ptr, value: gl.constexpr, sem: gl.constexpr):
-        """Every thread of the warpgroup adds `value` to the same flag (one atomic each, so each thread's
-        release covers its own stores and each acquire its own loads: no barrier needed); returns the
-        smallest value seen."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        ptrs = flag_ptr + gl.zeros([128], gl.int32, lay)
-        return gl.min(gl.atomic_add(ptrs, gl.full([128], value, gl.int32, lay), sem=sem, scope="gpu"), axis=0)
-
-    @gluon.jit
-    def _sk_half_offsets(acc, h: gl.constexpr):
-        """Offsets of acc's elements (a [64, BLOCK_M] half of a [128, BLOCK_M] tile) in a row-major partial."""
-        layout: gl.constexpr = acc.type.layout
-        r = gl.expand_dims(h * 64 + gl.arange(0, 64, gl.SliceLayout(1, layout)), 1)
-        m = gl.expand_dims(gl.arange(0, acc.shape[1], gl.SliceLayout(0, layout)), 0)
-        return r * acc.shape[1] + m
-
-    @gluon.jit
-    def _sk_halves(acc):
-        """[128, BM] accumulators -> rows 0-63 and 64-127 as two tensors: row bit 6 is a register bit of
-        the wgmma layout, so this renames registers and moves no data. The tail piece adds a partial one
-        half at a time, so a whole second tile never sits in registers."""
-        a = gl.permute(gl.reshape(acc, [2, 64, acc.shape[1]]), (1, 2, 0))
-        return gl.split(a)
-
-    @gluon.jit
-    def _sk_mma(x_smem, a_smem, ready, a_ready, empty, gs_ptr, y_ptr, ws_ptr, flags_ptr, M, N, stride_ym,
-                acc_factor, G, C, GPT, tiles_n, slots, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """_ss_mma over the CTA's pieces (one 128-row accumulator, as there: two accumulators chained
-        per 64 rows measured 43.2 against 40.4 us), then each piece's output."""
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_M, 16])
-        c, g0, g1 = _sk_range(G, C)
-        j = 0
-        for tt in range((g1 - 1) // GPT - g0 // GPT + 1):
-            t, kb, ke = _sk_piece(tt, g0, g1, GPT)
-            acc = gl.zeros([128, BLOCK_M], gl.float32, mma_layout)
-            for s in range(ke - kb):
-                stage = j % STAGES
-                phase = (j // STAGES) & 1
-                mbarrier.wait(ready.index(stage), phase)
-                mbarrier.wait(a_ready.index(stage), phase)
-                acc = warpgroup_mma(a_smem.index(stage), x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=s > 0)
-                j += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
-
-            acc0, acc1 = _sk_halves(acc)
-            first = _sk_owner(t * GPT, G, C)
-            row0 = (t % tiles_n) * 128
-            off_m = (t // tiles_n) * BLOCK_M
-            if ke < GPT * 4:    # head or middle piece: publish the partial, then signal
-                flag = flags_ptr + t * slots + (c - first)
-                base = ws_ptr + ((t * slots + c - first) * 128).to(gl.int64) * BLOCK_M
-                gl.store(base + _sk_half_offsets(acc0, 0), acc0)
-                gl.store(base + _sk_half_offsets(acc1, 1), acc1)
-                _sk_flag_add(flag, 1, "release")
-            else:               # tail piece: add the earlier pieces' partials in order, store the tile
-                for p in range(c - first):
-                    flag = flags_ptr + t * slots + p
-                    seen = _sk_flag_add(flag, 0, "acquire")
-                    while seen < 128:
-                        seen = _sk_flag_add(flag, 0, "acquire")
-                    base = ws_ptr + ((t * slots + p) * 128).to(gl.int64) * BLOCK_M
-                    acc0 += gl.load(base + _sk_half_offsets(acc0, 0))
-                    acc1 += gl.load(base + _sk_half_offsets(acc1, 1))
-                    _sk_flag_add(flag, -1, "relaxed")   # back to 0 for the next call
-                _store_tile(acc0, row0, off_m, 0, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr, 1)
-                _store_tile(acc1, row0 + 64, off_m, 0, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr, 1)
-
     @gluon.jit
     def _ss_partition(ROLE: gl.constexpr, args, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DECODERS: gl.constexpr):
         """ROLE -2: the MMA warpgroup (then the epilogue); -1: the TMA producer; d >= 0: decoder d (steps
-        d, d + DECODERS, ...). SPLIT_K == 0: the stream-K schedule."""
+        d, d + DECODERS, ...)."""
         (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor, tile_row0, off_m, pid_k,
-         t_begin, t_end, x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, sk) = args
-        if SPLIT_K == 0:
-            G, C, GPT, tiles_n, slots, flags_ptr = sk
-            if ROLE == -2:
-                _sk_mma(x_smem, a_smem, ready, a_ready, empty, gs_ptr, y_ptr, ws_ptr, flags_ptr, M, N, stride_ym,
-                        acc_factor, G, C, GPT, tiles_n, slots, BLOCK_M, STAGES)
-            elif ROLE == -1:
-                _sk_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, G, C, GPT, tiles_n,
-                             BLOCK_N, BLOCK_M, STAGES)
-            else:
-                _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, empty, t_end - t_begin, BLOCK_N,
-                            STAGES, DECODERS)
-        elif ROLE == -2:
+         t_begin, t_end, x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty) = args
+        if ROLE == -2:
             acc = _ss_mma(x_smem, a_smem, ready, a_ready, empty, t_end - t_begin, BLOCK_N, BLOCK_M, STAGES)
             _store_tile(acc, tile_row0, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr,
                         SPLIT_K)
@@ -806,25 +669,18 @@ if HAVE_GLUON:
             _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, empty, t_end - t_begin, BLOCK_N, STAGES,
                         DECODERS)
 
-    @gluon.jit(do_not_specialize=["M", "G", "C", "tiles_n", "slots"])
-    def _w4a16_gluon_ss_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, flags_ptr, M, N, K, stride_ym,
-                               acc_factor, G, C, tiles_n, slots,
+    @gluon.jit(do_not_specialize=["M"])
+    def _w4a16_gluon_ss_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, acc_factor,
                                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                                SPLIT_K: gl.constexpr, DECODERS: gl.constexpr, REGS: gl.constexpr):
         """Shared-A variant. w_desc: TMA over the code words ([N, K/8] int32, box [BLOCK_N, 8]); s_desc:
         over the scale pairs ([N, K/32] int16, box [BLOCK_N, 8]); the rest as _w4a16_gluon_kernel. Rows
-        past N arrive as zeros (TMA bounds) and are masked at the store. SPLIT_K == 0: stream-K over a 1-D
-        grid of C CTAs (G groups, `slots` partials per tile in ws_ptr, one flag each in flags_ptr)."""
+        past N arrive as zeros (TMA bounds) and are masked at the store."""
         pid_k = gl.program_id(2)
         k_steps = K // 64                                  # a multiple of 4 (K % 256 == 0), as is every split
-        if SPLIT_K == 0:       # the decoders only count steps: the CTA's groups, 4 steps each
-            c, g0, g1 = _sk_range(G, C)
-            t_begin = g0 * 4
-            t_end = g1 * 4
-        else:
-            per_split = 4 * gl.cdiv(k_steps // 4, SPLIT_K)
-            t_begin = gl.minimum(pid_k * per_split, k_steps)
-            t_end = gl.minimum(t_begin + per_split, k_steps)
+        per_split = 4 * gl.cdiv(k_steps // 4, SPLIT_K)
+        t_begin = gl.minimum(pid_k * per_split, k_steps)
+        t_end = gl.minimum(t_begin + per_split, k_steps)
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], w_desc.layout)
         s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, 8], s_desc.layout)
@@ -839,7 +695,7 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=1)
         args = (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor,
                 gl.program_id(0) * BLOCK_N, gl.program_id(1) * BLOCK_M, pid_k, t_begin, t_end,
-                x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, (G, C, k_steps // 4, tiles_n, slots, flags_ptr))
+                x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty)
         if DECODERS == 1:
             gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
                                 (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
@@ -877,56 +733,6 @@ def ss_stages_fit(block_n: int, block_m: int, stages: int) -> bool:
 def _ss_stages(block_n: int, block_m: int) -> int:
     """The shared-A kernel's stage count: as many as fit, up to 6."""
     return max(s for s in range(2, 7) if ss_stages_fit(block_n, block_m, s))
-
-
-def stream_k_pieces(tiles: int, groups_per_tile: int, ctas: int) -> list:
-    """The stream-K schedule of the shared-A kernel, as the kernel runs it (_sk_range, _sk_piece,
-    _sk_owner): for each CTA, its pieces in order as (tile, first group, end group, slot), slot = the
-    piece's index among its tile's pieces. The last piece of a tile (end group = groups_per_tile) sums the
-    others."""
-    g_total = tiles * groups_per_tile
-    owner = lambda g: ((g + 1) * ctas + g_total - 1) // g_total - 1   # noqa: E731
-    out = []
-    for c in range(ctas):
-        g0, g1 = c * g_total // ctas, (c + 1) * g_total // ctas
-        pieces = []
-        for t in range((g1 - 1) // groups_per_tile, g0 // groups_per_tile - 1, -1):
-            pieces.append((t, max(g0 - t * groups_per_tile, 0), min(g1 - t * groups_per_tile, groups_per_tile),
-                           c - owner(t * groups_per_tile)))
-        out.append(pieces)
-    return out
-
-
-def stream_k_slots(tiles: int, groups_per_tile: int, ctas: int) -> int:
-    """Partials per tile (pieces before its last) that the stream-K schedule stores at most: the size of
-    its workspace and flag array per tile."""
-    g_total = tiles * groups_per_tile
-    owner = lambda g: ((g + 1) * ctas + g_total - 1) // g_total - 1   # noqa: E731
-    return max(owner((t + 1) * groups_per_tile - 1) - owner(t * groups_per_tile) for t in range(tiles))
-
-
-SK_FLAG_COUNT = 1 << 16
-_SK_FLAGS: dict = {}
-
-
-def _stream_k_flags(device: torch.device, count: int) -> torch.Tensor:
-    """The stream-K tiles' ready flags: zeros, and each tile's last piece sets its flags back to zero, so
-    one buffer per device serves every call and CUDA graph replay without a memset. It is allocated on
-    first use, which must not be inside a graph capture; calls on one device must not run concurrently on
-    two streams (they would share flags)."""
-    if count > SK_FLAG_COUNT:
-        raise ValueError(f"stream-K needs {count} tile flags, more than {SK_FLAG_COUNT}; use split_k instead")
-    buf = _SK_FLAGS.get(device)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the stream-K flags are allocated on the first call, which must not be inside a "
-                               "CUDA graph capture: run the layer once before capturing")
-        buf = _SK_FLAGS[device] = torch.zeros(SK_FLAG_COUNT, dtype=torch.int32, device=device)
-    return buf
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def ss_registers(decoders: int, block_n: int) -> tuple:
@@ -973,8 +779,6 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
                            "(Triton >= 3.5); use a GemmConfig elsewhere")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if cfg.stream_k and not cfg.decoders:
-        raise ValueError(f"{cfg.short()}: stream_k is a schedule of the shared-A kernel; set decoders = 2 or 3")
     m, k = x2.shape
     n = w.n
     if cfg.decoders:   # bf16 x as it is (TMA: 16-byte aligned rows)
@@ -986,15 +790,6 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
     desc = TensorDescriptor.from_tensor(xp, [cfg.block_m, STEP_K], layout)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
     ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32) if cfg.split_k > 1 else out
-    flags, sk_args = out, (0, 1, 1, 0)
-    if cfg.stream_k:
-        tiles_n = grid[0]
-        tiles, gpt = tiles_n * grid[1], k // (4 * STEP_K)
-        ctas = min(_sm_count(x2.device), tiles * gpt)
-        slots = max(1, stream_k_slots(tiles, gpt, ctas))
-        flags = _stream_k_flags(x2.device, tiles * slots)
-        ws = torch.empty((tiles * slots, cfg.block_n, cfg.block_m), device=x2.device, dtype=torch.float32)
-        grid, sk_args = (ctas, 1, 1), (tiles * gpt, ctas, tiles_n, slots)
     words = w.qweight.view(torch.int32)                      # [N, K/8]; K % 64 == 0 keeps rows aligned
     pairs = w.scales.view(torch.int16)                       # [N, K/32]
     if cfg.decoders:
@@ -1002,11 +797,11 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
         maxnreg, regs = ss_registers(cfg.decoders, cfg.block_n)
         w_desc = TensorDescriptor.from_tensor(words, [cfg.block_n, 8], _SWIZZLED_32)
         s_desc = TensorDescriptor.from_tensor(pairs, [cfg.block_n, 8], _UNSWIZZLED_16)
-        _w4a16_gluon_ss_kernel[grid](desc, w_desc, s_desc, w.global_scale, out, ws, flags, m, n, k,
-                                     out.stride(0), SS_ACC_FACTOR, *sk_args,
+        _w4a16_gluon_ss_kernel[grid](desc, w_desc, s_desc, w.global_scale, out, ws, m, n, k, out.stride(0),
+                                     SS_ACC_FACTOR,
                                      BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                                     SPLIT_K=0 if cfg.stream_k else cfg.split_k, DECODERS=cfg.decoders,
-                                     REGS=regs, num_warps=4, maxnreg=maxnreg)
+                                     SPLIT_K=cfg.split_k, DECODERS=cfg.decoders, REGS=regs, num_warps=4,
+                                     maxnreg=maxnreg)
     elif cfg.ws:
         if k % 128:
             raise ValueError(f"the warp-specialized Gluon kernel needs K % 128 == 0 (got K = {k}); use a "
@@ -1026,7 +821,7 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
                                   words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
                                   BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                                   SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
-    if cfg.split_k > 1 and not cfg.stream_k:
+    if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024), m)](ws, out, m, n, out.stride(0), SPLIT_K=cfg.split_k,
                                                       BLOCK=1024, num_warps=4)
     return out
@@ -1038,8 +833,6 @@ def _check_ss(cfg: GluonGemmConfig, k: int) -> None:
         raise ValueError(f"{cfg.short()}: the shared-A kernel loads the scales by TMA, whose row stride (K/16 "
                          f"bytes) must be a multiple of 16: K % {SS_K_MULTIPLE} == 0 (got K = {k}); use "
                          f"decoders=0")
-    if cfg.stream_k and cfg.block_n != 128:
-        raise ValueError(f"{cfg.short()}: the stream-K schedule runs 128-row tiles; use block_n = 128 or split_k")
     if cfg.decoders not in (1, 2, 3) or cfg.block_n not in (64, 128):
         raise ValueError(f"{cfg.short()}: the shared-A kernel takes block_n = 64 or 128 rows and 1-3 "
                          f"decoder warpgroups (256 rows or 4 decoders would leave too few registers)")

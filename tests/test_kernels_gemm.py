@@ -413,38 +413,6 @@ def test_gluon_shared_a_stage_protocol_has_no_early_wait(stages, decoders):
         assert old == []
 
 
-
-@pytest.mark.parametrize("tiles,gpt,ctas", [(112, 16, 132), (32, 28, 132), (16, 4, 64), (320, 2, 132),
-                                            (15, 3, 45), (7, 5, 3), (1, 16, 16)])
-def test_gluon_stream_k_schedule_covers_once_and_waits_only_backwards(tiles, gpt, ctas):
-    """The stream-K schedule (stream_k_pieces mirrors the kernel's index algebra): every (tile, K group)
-    falls to exactly one piece; a tile's pieces are numbered 0.. in K order, its last piece is the one
-    that sums the others, and each of those others is the first piece of a lower CTA, so a CTA only waits
-    on work that lower CTAs do before anything else (no deadlock with in-order block dispatch);
-    stream_k_slots sizes the workspace for the most pieces any tile has before its last."""
-    from megatron_qrl.kernels.w4a16_gluon_gemm import stream_k_pieces, stream_k_slots
-    sched = stream_k_pieces(tiles, gpt, ctas)
-    owner = {}
-    for c, pieces in enumerate(sched):
-        assert pieces, f"CTA {c} has no work"
-        for t, g0, g1, slot in pieces:
-            assert 0 <= g0 < g1 <= gpt
-            for g in range(g0, g1):
-                assert (t, g) not in owner, f"group {g} of tile {t} twice"
-                owner[t, g] = (c, slot, pieces.index((t, g0, g1, slot)))
-        tiles_in_order = [p[0] for p in pieces]
-        assert tiles_in_order == sorted(tiles_in_order, reverse=True)
-    assert len(owner) == tiles * gpt
-    most = 0
-    for t in range(tiles):
-        pieces = sorted({owner[t, g] for g in range(gpt)}, key=lambda v: v[1])
-        assert [slot for _, slot, _ in pieces] == list(range(len(pieces)))
-        last_cta = owner[t, gpt - 1][0]
-        for c, slot, index in pieces[:-1]:
-            assert c < last_cta and index == 0
-        most = max(most, len(pieces) - 1)
-    assert stream_k_slots(tiles, gpt, ctas) == most
-
 def test_gluon_config_choices_and_refusals():
     from megatron_qrl.kernels import w4a16_gluon_gemm as G
 
@@ -478,8 +446,7 @@ def test_gluon_config_choices_and_refusals():
     ss = [c for c in G.gluon_candidates(128, 14336, 4096) if c.decoders]
     assert {(c.block_n, c.decoders) for c in ss} == {(128, 2), (128, 3), (64, 2)}
     assert all(c.block_m == 128 for c in ss)
-    split = {(c.block_n, c.split_k, c.stream_k) for c in G.gluon_candidates(128, 4096, 7168) if c.decoders}
-    assert split == {(128, 4, False), (64, 2, False), (128, 1, True)}
+    assert {(c.block_n, c.split_k) for c in G.gluon_candidates(128, 4096, 7168) if c.decoders} == {(128, 4), (64, 2)}
     assert all(G.ss_stages_fit(c.block_n, c.block_m, c.stages) for c in G.gluon_candidates(64, 4096, 7168)
                if c.decoders)
     assert all(c.block_m == 128 for c in G.gluon_candidates(512, 4096, 7168) if c.decoders)
@@ -488,7 +455,6 @@ def test_gluon_config_choices_and_refusals():
     assert G.ss_registers(3, 128) == (96, 96)
     assert not G.ss_stages_fit(128, 128, 6) and G.ss_stages_fit(128, 128, 5)
     for bad, why in ((GluonGemmConfig(256, 64, 4, 1, 4, decoders=2), "block_n = 64 or 128"),
-                     (GluonGemmConfig(64, 64, 4, 1, 4, decoders=2, stream_k=True), "128-row tiles"),
                      (GluonGemmConfig(128, 64, 4, 1, 4, decoders=4), "1-3"),
                      (GluonGemmConfig(128, 256, 2, 1, 4, decoders=2), "accumulators"),
                      (GluonGemmConfig(128, 128, 6, 1, 4, decoders=2), "shared memory")):
@@ -544,16 +510,9 @@ if DEVICE == "cuda":
         (33, 320, 768, GluonGemmConfig(128, 64, 3, 5, 4, decoders=2)),   # 64-token tiles, uneven split-K 5
         (130, 136, 1792, GluonGemmConfig(128, 128, 5, 1, 4, decoders=3)),  # 3 decoders: 28 steps, 2 partial groups
         (300, 64, 256, GluonGemmConfig(64, 128, 6, 1, 4, decoders=1)),   # 3 token tiles, 4 steps < 6 stages
-        (128, 2048, 1024, GluonGemmConfig(128, 128, 5, 1, 4, decoders=2, stream_k=True)),  # 4 pieces a tile
-        (100, 14336, 4096, GluonGemmConfig(128, 128, 5, 1, 4, decoders=3, stream_k=True)),  # 112 tiles, 132 CTAs
-        (300, 520, 768, GluonGemmConfig(128, 128, 5, 1, 4, decoders=2, stream_k=True)),  # partial row/token tiles
-        (40, 40960, 512, GluonGemmConfig(128, 64, 6, 1, 4, decoders=2, stream_k=True)),  # CTAs span whole tiles
     ], ids=lambda v: v.short() if isinstance(v, GluonGemmConfig) else str(v))
     def test_gluon_gemm_matches_reference_gpu(m, n, k, cfg):
         _check_configs(m, n, k, [cfg], deterministic=True)
-        if cfg.stream_k:   # every tile's last piece set its flags back to zero
-            from megatron_qrl.kernels import w4a16_gluon_gemm as G
-            assert G._SK_FLAGS[torch.device(DEVICE, torch.cuda.current_device())].count_nonzero().item() == 0
 
     @pytest.mark.parametrize("m", [32, 128, 512])
     @pytest.mark.parametrize("k,n", [(4096, 14336), (7168, 4096)])
