@@ -3,7 +3,8 @@ M of a few dozen to a few hundred tokens. Two designs live here.
 
 Shared-A (`_w4a16_gluon_ss_kernel`, the default up to 128 tokens when K % 256 == 0): a producer warp
 brings the activation tile, the code words and the scales of each 64-wide K step into a ring of shared
-stages by TMA; decoder warpgroups (on alternate steps) decode the codes into a bf16 A tile in the same
+stages by TMA; decoder warpgroups (three by default, each on every third step; they wait for the stage's
+release before its load, see `_ss_decoder`) decode the codes into a bf16 A tile in the same
 stage (A = code * 2^-126 * s * 2^20, exact; bit tricks in `_DECODE_WORD_BF16_ASM`); one MMA warpgroup
 issues shared x shared wgmmas with one left in flight. Decode and MMA are separate warps, so the
 register-A hazard below does not arise, and x enters as it is (bf16, physical K order: no permute pass).
@@ -116,8 +117,9 @@ def _largest_split(tiles: int, steps: int, max_ctas: int, choices=(1, 2, 3, 4, 6
 
 def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
     """The measured defaults (H200, docs/PERF.md). Up to 128 tokens with K % 256 == 0: the shared-A
-    kernel (128 weight rows, two decoder warpgroups on alternate steps, as many stages as fit, split-K up
-    to one wave); it beat the register-A kernel by 1.15-1.22x at M = 64 and 128. Otherwise the
+    kernel (128 weight rows, three decoder warpgroups taking every third step, as many stages as fit,
+    split-K up to one wave); it beat the register-A kernel by 1.15-1.22x at M = 64 and 128, and three
+    decoders beat two by 2-6% at both bench shapes for M = 48, 64 and 128. Otherwise the
     warp-specialized register-A kernel with two consumer warpgroups, all tokens of up to 256 in one CTA
     column, split-K up to one wave, 6 activation stages (at M = 512 it beat the shared-A kernel at
     (4096, 14336) and the non-specialized variants by 1.05-1.32x)."""
@@ -125,7 +127,7 @@ def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmCon
     tiles = -(-n // 128) * -(-m // bm)
     if bm <= 128 and k % SS_K_MULTIPLE == 0:
         return GluonGemmConfig(128, bm, _ss_stages(128, bm), _largest_split(tiles, k // STEP_K, sms), 4,
-                               decoders=2)
+                               decoders=3)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
         sk = _largest_split(tiles, k // STEP_K, 2 * sms, (1, 2, 4, 8))
         return GluonGemmConfig(128, bm, 2, sk, 8)
@@ -604,7 +606,7 @@ if HAVE_GLUON:
                     STAGES: gl.constexpr, DECODERS: gl.constexpr):
         """One warpgroup: decodes every DECODERS-th step (from step d) into its stage's A tile. Decoders
         take whole steps, not row slices: a step's decode is a latency chain (shared loads, decode, stores,
-        fence, barrier), and two decoders on alternate steps each get two MMA steps of time for it
+        fence, barrier), and D decoders on every D-th step each get D MMA steps of time for it
         (measured: splitting the rows instead ran no faster than one decoder). Splits start on a multiple
         of 4 steps and span a multiple of 4, so step i's scale pairs are columns 2 (i % 4) .. of its box.
 

@@ -427,9 +427,9 @@ def test_gluon_config_choices_and_refusals():
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
     ws = dict(ws=True, ctas_per_sm=1)
-    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 5, 1, 4, decoders=2)  # 112
-    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 5, 4, 4, decoders=2)   # 128
-    assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 6, 4, 4, decoders=2)
+    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 5, 1, 4, decoders=3)  # 112
+    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 5, 4, 4, decoders=3)   # 128
+    assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 6, 4, 4, decoders=3)
     assert G.default_gluon_config(128, 4096, 4224) == GluonGemmConfig(128, 128, 6, 4, 4, **ws)  # K % 256
     assert G.default_gluon_config(256, 4096, 7168) == GluonGemmConfig(128, 256, 6, 4, 4, **ws)
     assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 256, 6, 2, 4, **ws)
