@@ -87,11 +87,14 @@ class GluonGemmConfig:
     ctas_per_sm: int = 1      # ws: the register budget is split for this many resident CTAs (2 leaves too
     #                           few registers for a wgmma with 2+ consumers: ptxas refuses, launch says so)
     decoders: int = 0         # > 0: the shared-A kernel (_w4a16_gluon_ss_kernel) with this many decoder
-    #                           warpgroups (1 or 2), one MMA warpgroup and a TMA producer warp
+    #                           warpgroups (1-3), one MMA warpgroup and a TMA producer warp
+    a_stages: int = 0         # shared-A: decoded A tiles in their own ring of this many (0: decoders + 1);
+    #                           `stages` is then the depth of the TMA ring (x, codes, scales)
 
     def short(self) -> str:
         if self.decoders:
-            return f"GS{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/d{self.decoders}"
+            return (f"GS{self.block_n}x{self.block_m}/s{self.stages}a{ss_a_stages(self)}/sk{self.split_k}"
+                    f"/d{self.decoders}")
         if self.ws:
             return f"GW{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/c{self.ctas_per_sm}"
         return f"G{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/w{self.num_warps}"
@@ -126,8 +129,9 @@ def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmCon
     bm = _token_block(m)
     tiles = -(-n // 128) * -(-m // bm)
     if bm <= 128 and k % SS_K_MULTIPLE == 0:
-        return GluonGemmConfig(128, bm, _ss_stages(128, bm), _largest_split(tiles, k // STEP_K, sms), 4,
-                               decoders=3)
+        stages, a_stages = _ss_rings(128, bm, 3)
+        return GluonGemmConfig(128, bm, stages, _largest_split(tiles, k // STEP_K, sms), 4, decoders=3,
+                               a_stages=a_stages)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
         sk = _largest_split(tiles, k // STEP_K, 2 * sms, (1, 2, 4, 8))
         return GluonGemmConfig(128, bm, 2, sk, 8)
@@ -169,7 +173,9 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         tiles = -(-n // bn) * -(-m // bm_ss)
         sk = _largest_split(tiles, steps, sms)
         for d in decs:
-            out.append(GluonGemmConfig(bn, bm_ss, _ss_stages(bn, bm_ss), sk, 4, decoders=d))
+            for extra in (0, 1):
+                stages, a_stages = _ss_rings(bn, bm_ss, d, extra)
+                out.append(GluonGemmConfig(bn, bm_ss, stages, sk, 4, decoders=d, a_stages=a_stages))
     return list(dict.fromkeys(out))
 
 
@@ -602,23 +608,24 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(s_desc, [row0, (t // 4) * 8], ready.index(stage), s_smem.index(stage))
 
     @gluon.jit
-    def _ss_decoder(d, w_smem, s_smem, a_smem, ready, a_ready, empty, n_steps, ROWS: gl.constexpr,
-                    STAGES: gl.constexpr, DECODERS: gl.constexpr):
-        """One warpgroup: decodes every DECODERS-th step (from step d) into its stage's A tile. Decoders
-        take whole steps, not row slices: a step's decode is a latency chain (shared loads, decode, stores,
-        fence, barrier), and D decoders on every D-th step each get D MMA steps of time for it
-        (measured: splitting the rows instead ran no faster than one decoder). Splits start on a multiple
-        of 4 steps and span a multiple of 4, so step i's scale pairs are columns 2 (i % 4) .. of its box.
+    def _ss_decoder(d, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty, n_steps, ROWS: gl.constexpr,
+                    STAGES: gl.constexpr, A_STAGES: gl.constexpr, DECODERS: gl.constexpr):
+        """One warpgroup: decodes every DECODERS-th step (from step d) from its TMA stage into a free A
+        tile of the A ring. Decoders take whole steps, not row slices: a step's decode is a latency chain
+        (shared loads, decode, stores, fence, barrier), and D decoders on every D-th step each get D MMA
+        steps of time for it (measured: splitting the rows instead ran no faster than one decoder). Splits
+        start on a multiple of 4 steps and span a multiple of 4, so step i's scale pairs are columns
+        2 (i % 4) .. of its box.
 
         Before `ready` the decoder waits on `empty` (the MMA released step i - STAGES), as the producer does.
         A parity wait cannot tell phase k from phase k - 2: a decoder that skips DECODERS - 1 steps can
         reach step i while `ready` of its stage is still in step i - STAGES's phase (that TMA landing after
         a later step's), and the wait for step i's parity then passes at once. It decoded stale codes and
         completed `a_ready` twice, so the MMA's next wait on it never returned: the hang seen in the bench
-        (GS128x128/s5/sk4/d3, (7168, 4096), M = 128). It needs a decoder count that does not divide the stage
-        count (else each stage's laps fall to one decoder), as with the M = 128 default: 5 stages, 2
-        decoders. With the `empty` wait, `ready` is at most one phase behind (tests/test_kernels_gemm.py
-        models the protocol; tools/stress_gluon.py replays the kernels on the GPU)."""
+        (GS128x128/s5/sk4/d3, (7168, 4096), M = 128). It needs a decoder count that does not divide the
+        stage count (else each stage's laps fall to one decoder). With the `empty` wait, `ready` is at most
+        one phase behind; `a_empty` is safe the same way as long as A_STAGES >= DECODERS
+        (tests/test_kernels_gemm.py models the protocol; tools/stress_gluon.py replays the kernels)."""
         w3: gl.constexpr = _ss_word_layout(ROWS, 3)
         for i0 in range(0, n_steps, 4 * DECODERS):
             for q in gl.static_range(4 * DECODERS):
@@ -626,55 +633,63 @@ if HAVE_GLUON:
                     i = i0 + q
                     if i < n_steps:
                         stage = i % STAGES
+                        slot = i % A_STAGES
                         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
                         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
                         words = w_smem.index(stage).load(_ss_word_layout(ROWS, 2))
                         words = gl.convert_layout(gl.reshape(words, [ROWS, 2, 4]), w3, assert_trivial=True)
                         sp = s_smem.index(stage).slice(2 * (q % 4), 2, dim=1).load(gl.SliceLayout(2, w3))
-                        a_smem.index(stage).store(_decode_a_bf16(words, sp, ROWS))
+                        a = _decode_a_bf16(words, sp, ROWS)
+                        mbarrier.wait(a_empty.index(slot), ((i // A_STAGES) & 1) ^ 1)
+                        a_smem.index(slot).store(a)
                         fence_async_shared()
-                        mbarrier.arrive(a_ready.index(stage), count=1)
+                        mbarrier.arrive(a_ready.index(slot), count=1)
 
     @gluon.jit
-    def _ss_mma(x_smem, a_smem, ready, a_ready, empty, n_steps, BLOCK_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """One warpgroup: acc [BLOCK_N rows, BLOCK_M tokens] += A_stage x_stage^T, one wgmma in flight
-        while the next is issued; a stage is released when the wgmma that read it has finished."""
+    def _ss_mma(x_smem, a_smem, ready, a_ready, empty, a_empty, n_steps, BLOCK_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr):
+        """One warpgroup: acc [BLOCK_N rows, BLOCK_M tokens] += A_slot x_stage^T, one wgmma in flight
+        while the next is issued; the TMA stage and the A tile of a step are released when the wgmma that
+        read them has finished."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
         for i in range(n_steps):
             stage = i % STAGES
-            phase = (i // STAGES) & 1
-            mbarrier.wait(ready.index(stage), phase)
-            mbarrier.wait(a_ready.index(stage), phase)
-            acc = warpgroup_mma(a_smem.index(stage), x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            slot = i % A_STAGES
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            mbarrier.wait(a_ready.index(slot), (i // A_STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(slot), x_smem.index(stage).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+            mbarrier.arrive(a_empty.index((i + A_STAGES - 1) % A_STAGES), count=1, pred=i > 0)
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
     def _ss_partition(ROLE: gl.constexpr, args, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DECODERS: gl.constexpr):
+                      STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DECODERS: gl.constexpr,
+                      A_STAGES: gl.constexpr):
         """ROLE -2: the MMA warpgroup (then the epilogue); -1: the TMA producer; d >= 0: decoder d (steps
         d, d + DECODERS, ...)."""
         (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor, tile_row0, off_m, pid_k,
-         t_begin, t_end, x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty) = args
+         t_begin, t_end, x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty) = args
         if ROLE == -2:
-            acc = _ss_mma(x_smem, a_smem, ready, a_ready, empty, t_end - t_begin, BLOCK_N, BLOCK_M, STAGES)
+            acc = _ss_mma(x_smem, a_smem, ready, a_ready, empty, a_empty, t_end - t_begin, BLOCK_N, BLOCK_M,
+                          STAGES, A_STAGES)
             _store_tile(acc, tile_row0, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr,
                         SPLIT_K)
         elif ROLE == -1:
             _ss_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tile_row0, off_m,
                          t_begin, t_end - t_begin, STAGES)
         else:
-            _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, empty, t_end - t_begin, BLOCK_N, STAGES,
-                        DECODERS)
+            _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty, t_end - t_begin, BLOCK_N,
+                        STAGES, A_STAGES, DECODERS)
 
     @gluon.jit(do_not_specialize=["M"])
     def _w4a16_gluon_ss_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, acc_factor,
                                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                               SPLIT_K: gl.constexpr, DECODERS: gl.constexpr, REGS: gl.constexpr):
+                               SPLIT_K: gl.constexpr, DECODERS: gl.constexpr, REGS: gl.constexpr,
+                               A_STAGES: gl.constexpr):
         """Shared-A variant. w_desc: TMA over the code words ([N, K/8] int32, box [BLOCK_N, 8]); s_desc:
         over the scale pairs ([N, K/32] int16, box [BLOCK_N, 8]); the rest as _w4a16_gluon_kernel. Rows
         past N arrive as zeros (TMA bounds) and are masked at the store."""
@@ -687,34 +702,37 @@ if HAVE_GLUON:
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], w_desc.layout)
         s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, 8], s_desc.layout)
         a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], a_layout)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [A_STAGES, BLOCK_N, 64], a_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
+        a_empty = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(a_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(A_STAGES):
+            mbarrier.init(a_ready.index(i), count=1)
+            mbarrier.init(a_empty.index(i), count=1)
         args = (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor,
                 gl.program_id(0) * BLOCK_N, gl.program_id(1) * BLOCK_M, pid_k, t_begin, t_end,
-                x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty)
+                x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty)
         if DECODERS == 1:
-            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS))],
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES))],
                                [1, 4], [24, REGS])
         elif DECODERS == 2:
-            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS))],
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES))],
                                [1, 4, 4], [24, REGS, REGS])
         else:
-            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS)),
-                                (_ss_partition, (2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS))],
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES))],
                                [1, 4, 4, 4], [24, REGS, REGS, REGS])
 
 
@@ -726,15 +744,24 @@ if HAVE_GLUON:
     _UNSWIZZLED_16 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
-def ss_stages_fit(block_n: int, block_m: int, stages: int) -> bool:
-    """Whether `stages` fit in one CTA's shared memory: each holds the x tile and the decoded A tile (bf16,
-    64 wide), the code words (32 bytes a row) and the scale box (16 bytes a row)."""
-    return stages * (2 * STEP_K * (block_n + block_m) + 48 * block_n) + 1024 <= SS_SMEM_BYTES
+def ss_stages_fit(block_n: int, block_m: int, stages: int, a_stages: int) -> bool:
+    """Whether the rings fit in one CTA's shared memory: `stages` TMA stages (the x tile, bf16 64 wide; the
+    code words, 32 bytes a row; the scale box, 16 bytes a row) and `a_stages` decoded bf16 A tiles."""
+    return stages * (2 * STEP_K * block_m + 48 * block_n) + a_stages * 2 * STEP_K * block_n + 1024 <= SS_SMEM_BYTES
 
 
-def _ss_stages(block_n: int, block_m: int) -> int:
-    """The shared-A kernel's stage count: as many as fit, up to 6."""
-    return max(s for s in range(2, 7) if ss_stages_fit(block_n, block_m, s))
+def ss_a_stages(cfg: "GluonGemmConfig") -> int:
+    """The A ring's depth: cfg.a_stages, or one more than the decoders (each decoder writes its own tile
+    while the MMA reads another)."""
+    return cfg.a_stages or cfg.decoders + 1
+
+
+def _ss_rings(block_n: int, block_m: int, decoders: int, extra_a: int = 0) -> tuple:
+    """(TMA stages, A tiles) of the shared-A kernel: decoders + 1 + extra_a A tiles, then as many TMA
+    stages as fit, up to 8. The decoders wait for TMA data most (Nsight Compute stall samples at M = 128),
+    and the A tile need not sit in every TMA stage: a separate A ring buys TMA depth."""
+    a_stages = decoders + 1 + extra_a
+    return max(s for s in range(2, 9) if ss_stages_fit(block_n, block_m, s, a_stages)), a_stages
 
 
 def ss_registers(decoders: int, block_n: int) -> tuple:
@@ -802,8 +829,8 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
         _w4a16_gluon_ss_kernel[grid](desc, w_desc, s_desc, w.global_scale, out, ws, m, n, k, out.stride(0),
                                      SS_ACC_FACTOR,
                                      BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                                     SPLIT_K=cfg.split_k, DECODERS=cfg.decoders, REGS=regs, num_warps=4,
-                                     maxnreg=maxnreg)
+                                     SPLIT_K=cfg.split_k, DECODERS=cfg.decoders, REGS=regs,
+                                     A_STAGES=ss_a_stages(cfg), num_warps=4, maxnreg=maxnreg)
     elif cfg.ws:
         if k % 128:
             raise ValueError(f"the warp-specialized Gluon kernel needs K % 128 == 0 (got K = {k}); use a "
@@ -841,9 +868,12 @@ def _check_ss(cfg: GluonGemmConfig, k: int) -> None:
     if cfg.block_n * cfg.block_m > 256 * 64:
         raise ValueError(f"{cfg.short()}: one MMA warpgroup holds block_n * block_m / 128 fp32 accumulators "
                          f"per thread; keep block_n * block_m <= 16384 (e.g. block_m = 128 with block_n = 128)")
-    if not ss_stages_fit(cfg.block_n, cfg.block_m, cfg.stages):
-        raise ValueError(f"{cfg.short()}: {cfg.stages} stages of {(cfg.block_n + cfg.block_m) * 128} bytes "
-                         f"exceed the {SS_SMEM_BYTES} bytes of shared memory; use fewer stages")
+    if ss_a_stages(cfg) < cfg.decoders:
+        raise ValueError(f"{cfg.short()}: the A ring needs at least one tile per decoder (a_stages >= "
+                         f"{cfg.decoders}): a decoder's wait on a reused tile's release is a parity wait")
+    if not ss_stages_fit(cfg.block_n, cfg.block_m, cfg.stages, ss_a_stages(cfg)):
+        raise ValueError(f"{cfg.short()}: {cfg.stages} TMA stages and {ss_a_stages(cfg)} A tiles exceed the "
+                         f"{SS_SMEM_BYTES} bytes of shared memory; use fewer stages")
 
 
 def _code_fp16_bits(w: PreparedFP4Weight) -> tuple:

@@ -336,37 +336,44 @@ def test_gluon_shared_a_bf16_decode_is_exact():
                            a.view(n, k // 32, 2, 16)[:, :, 0, :].reshape(n, k // 2))
 
 
-def _shared_a_protocol_faults(stages: int, decoders: int, n_steps: int, decoder_waits_empty: bool,
-                              seed: int) -> list:
-    """One random interleaving of the shared-A kernel's stage protocol (_w4a16_gluon_ss_kernel): the
-    producer, the decoders and the MMA warpgroup as sequences of mbarrier waits and arrives, and TMA loads
-    that land in any order. A parity wait passes as on the hardware (the barrier's count of completed
-    phases has the other parity). Returns the faults: a wait that passed before the phase it meant had
-    completed, or a deadlock."""
+def _shared_a_protocol_faults(stages: int, a_stages: int, decoders: int, n_steps: int,
+                              decoder_waits_empty: bool, seed: int) -> list:
+    """One random interleaving of the shared-A kernel's protocol (_w4a16_gluon_ss_kernel): the producer,
+    the decoders and the MMA warpgroup as sequences of mbarrier waits and arrives over the TMA ring
+    (`stages`: ready, empty) and the A ring (`a_stages`: a_ready, a_empty), and TMA loads that land in any
+    order. A parity wait passes as on the hardware (the barrier's count of completed phases has the other
+    parity). Returns the faults: a wait that passed before the phase it meant had completed, or a
+    deadlock."""
     import random
     rng = random.Random(seed)
-    done = {(b, s): 0 for b in ("ready", "a_ready", "empty") for s in range(stages)}   # completed phases
+    ring = {"ready": stages, "empty": stages, "a_ready": a_stages, "a_empty": a_stages}
+    done = {(b, s): 0 for b, n in ring.items() for s in range(n)}   # completed phases per barrier
 
-    def wait(bar, i, released=False):      # the producer's form (released) or the consumers' form
-        lap = i // stages
-        return ("wait", bar, i % stages, (lap & 1) ^ 1 if released else lap & 1, lap - 1 if released else lap)
+    def wait(bar, i, released=False):      # the release form (producer-style) or the consumers' form
+        lap = i // ring[bar]
+        return ("wait", bar, i % ring[bar], (lap & 1) ^ 1 if released else lap & 1,
+                lap - 1 if released else lap)
 
     def producer():
         for i in range(n_steps):
             yield wait("empty", i, released=True)
             yield ("load", i % stages)                         # three TMA copies, landing later
+
     def decoder(d):
         for i in range(d, n_steps, decoders):
             if decoder_waits_empty:
                 yield wait("empty", i, released=True)
             yield wait("ready", i)
-            yield ("arrive", "a_ready", i % stages)
+            yield wait("a_empty", i, released=True)
+            yield ("arrive", "a_ready", i % a_stages)
+
     def mma():
         for i in range(n_steps):
             yield wait("ready", i)
             yield wait("a_ready", i)
             if i > 0:                                          # wgmma i issued, i - 1 finished
                 yield ("arrive", "empty", (i - 1) % stages)
+                yield ("arrive", "a_empty", (i - 1) % a_stages)
 
     roles = {name: (gen, next(gen)) for name, gen in
              [("producer", producer()), ("mma", mma())] + [(f"decoder{d}", decoder(d)) for d in range(decoders)]}
@@ -395,22 +402,32 @@ def _shared_a_protocol_faults(stages: int, decoders: int, n_steps: int, decoder_
     return faults
 
 
-@pytest.mark.parametrize("stages,decoders", [(5, 2), (5, 3), (4, 3), (6, 2), (6, 3), (5, 1)])
-def test_gluon_shared_a_stage_protocol_has_no_early_wait(stages, decoders):
+@pytest.mark.parametrize("stages,a_stages,decoders", [(5, 5, 2), (5, 5, 3), (4, 4, 3), (6, 6, 2), (6, 6, 3),
+                                                      (5, 5, 1), (7, 4, 3), (8, 3, 2), (6, 5, 3), (8, 4, 2)])
+def test_gluon_shared_a_stage_protocol_has_no_early_wait(stages, a_stages, decoders):
     """The decoders wait on `empty` before `ready` (_ss_decoder). Without that wait a decoder that skips
     steps can reach a stage whose `ready` is still in the previous lap's phase, and its parity wait passes
     at once (stale codes; `a_ready` completed twice, the MMA's wait never returns: the hang measured on the
-    H200, GS128x128/s5/sk4/d3). The model finds such interleavings of the old protocol whenever the decoder
-    count does not divide the stage count (5 stages, the M = 128 default, with 2 decoders included); with
-    the wait, no run in the same sample passes a wait early or deadlocks."""
+    H200, GS128x128/s5/sk4/d3, when A tiles shared the TMA stages). The model finds such interleavings of
+    the unguarded protocol whenever the decoder count does not divide the stage count; with the wait, no
+    run in the same sample passes a wait early or deadlocks, for the shared ring and the separate A ring."""
     seeds = range(200)
-    old = [f for s in seeds for f in _shared_a_protocol_faults(stages, decoders, 28, False, s)]
-    new = [f for s in seeds for f in _shared_a_protocol_faults(stages, decoders, 28, True, s)]
+    old = [f for s in seeds for f in _shared_a_protocol_faults(stages, a_stages, decoders, 28, False, s)]
+    new = [f for s in seeds for f in _shared_a_protocol_faults(stages, a_stages, decoders, 28, True, s)]
     assert new == []
+    if a_stages < stages:   # a short A ring also bounds how far a decoder runs ahead: no negative control
+        return
     if stages % decoders:
-        assert any("passed after" in f for f in old), "the model should find the unguarded early pass"
+        assert any("ready" in f and "passed after" in f for f in old), "the model should find the early pass"
     else:   # each stage's laps all fall to one decoder, which waited on the previous lap itself
         assert old == []
+
+
+def test_gluon_shared_a_ring_needs_a_tile_per_decoder():
+    """Fewer A tiles than decoders: a decoder can wait on an A tile's release while that tile is two laps
+    behind, and the parity wait passes early; _check_ss refuses such configs."""
+    faults = [f for s in range(200) for f in _shared_a_protocol_faults(8, 2, 3, 28, True, s)]
+    assert any("a_empty" in f for f in faults)
 
 
 def test_gluon_config_choices_and_refusals():
@@ -427,9 +444,9 @@ def test_gluon_config_choices_and_refusals():
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
     ws = dict(ws=True, ctas_per_sm=1)
-    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 5, 1, 4, decoders=3)  # 112
-    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 5, 4, 4, decoders=3)   # 128
-    assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 6, 4, 4, decoders=3)
+    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 7, 1, 4, decoders=3, a_stages=4)  # 112
+    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 7, 4, 4, decoders=3, a_stages=4)  # 128
+    assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 8, 4, 4, decoders=3, a_stages=4)
     assert G.default_gluon_config(128, 4096, 4224) == GluonGemmConfig(128, 128, 6, 4, 4, **ws)  # K % 256
     assert G.default_gluon_config(256, 4096, 7168) == GluonGemmConfig(128, 256, 6, 4, 4, **ws)
     assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 256, 6, 2, 4, **ws)
@@ -447,17 +464,19 @@ def test_gluon_config_choices_and_refusals():
     assert {(c.block_n, c.decoders) for c in ss} == {(128, 2), (128, 3), (64, 2)}
     assert all(c.block_m == 128 for c in ss)
     assert {(c.block_n, c.split_k) for c in G.gluon_candidates(128, 4096, 7168) if c.decoders} == {(128, 4), (64, 2)}
-    assert all(G.ss_stages_fit(c.block_n, c.block_m, c.stages) for c in G.gluon_candidates(64, 4096, 7168)
-               if c.decoders)
+    assert all(G.ss_stages_fit(c.block_n, c.block_m, c.stages, G.ss_a_stages(c))
+               for c in G.gluon_candidates(64, 4096, 7168) if c.decoders)
     assert all(c.block_m == 128 for c in G.gluon_candidates(512, 4096, 7168) if c.decoders)
     assert not any(c.decoders for c in G.gluon_candidates(128, 4096, 4160))    # TMA scale rows: K % 256
     assert G.ss_registers(2, 128) == (128, 128) and G.ss_registers(1, 64) == (168, 96)
     assert G.ss_registers(3, 128) == (96, 96)
-    assert not G.ss_stages_fit(128, 128, 6) and G.ss_stages_fit(128, 128, 5)
+    assert not G.ss_stages_fit(128, 128, 8, 4) and G.ss_stages_fit(128, 128, 7, 4)
+    assert G._ss_rings(128, 128, 3) == (7, 4) and G._ss_rings(128, 64, 2) == (8, 3)
     for bad, why in ((GluonGemmConfig(256, 64, 4, 1, 4, decoders=2), "block_n = 64 or 128"),
                      (GluonGemmConfig(128, 64, 4, 1, 4, decoders=4), "1-3"),
                      (GluonGemmConfig(128, 256, 2, 1, 4, decoders=2), "accumulators"),
-                     (GluonGemmConfig(128, 128, 6, 1, 4, decoders=2), "shared memory")):
+                     (GluonGemmConfig(128, 128, 8, 1, 4, decoders=2, a_stages=4), "shared memory"),
+                     (GluonGemmConfig(128, 128, 6, 1, 4, decoders=3, a_stages=2), "one tile per decoder")):
         with pytest.raises(ValueError, match=why):
             G._check_ss(bad, 4096)
     with pytest.raises(ValueError, match="K % 256"):
@@ -509,6 +528,8 @@ if DEVICE == "cuda":
         (100, 200, 1280, GluonGemmConfig(128, 128, 4, 3, 4, decoders=1)),  # partial tiles, 20 steps, split 3
         (33, 320, 768, GluonGemmConfig(128, 64, 3, 5, 4, decoders=2)),   # 64-token tiles, uneven split-K 5
         (130, 136, 1792, GluonGemmConfig(128, 128, 5, 1, 4, decoders=3)),  # 3 decoders: 28 steps, 2 partial groups
+        (128, 512, 4096, GluonGemmConfig(128, 128, 7, 1, 4, decoders=3, a_stages=4)),  # separate A ring: 7 + 4
+        (64, 384, 2048, GluonGemmConfig(128, 64, 8, 2, 4, decoders=2, a_stages=3)),   # 8 + 3, split-K 2
         (300, 64, 256, GluonGemmConfig(64, 128, 6, 1, 4, decoders=1)),   # 3 token tiles, 4 steps < 6 stages
     ], ids=lambda v: v.short() if isinstance(v, GluonGemmConfig) else str(v))
     def test_gluon_gemm_matches_reference_gpu(m, n, k, cfg):
