@@ -88,8 +88,8 @@ class GluonGemmConfig:
     #                           few registers for a wgmma with 2+ consumers: ptxas refuses, launch says so)
     decoders: int = 0         # > 0: the shared-A kernel (_w4a16_gluon_ss_kernel) with this many decoder
     #                           warpgroups (1-3), one MMA warpgroup and a TMA producer warp
-    a_stages: int = 0         # shared-A: decoded A tiles in their own ring of this many (0: decoders + 1);
-    #                           `stages` is then the depth of the TMA ring (x, codes, scales)
+    a_stages: int = 0         # shared-A: decoded A tiles in their own ring of this many (0: as many as
+    #                           `stages`, which is then the depth of the TMA ring: x, codes, scales)
 
     def short(self) -> str:
         if self.decoders:
@@ -129,7 +129,7 @@ def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmCon
     bm = _token_block(m)
     tiles = -(-n // 128) * -(-m // bm)
     if bm <= 128 and k % SS_K_MULTIPLE == 0:
-        stages, a_stages = _ss_rings(128, bm, 3)
+        stages, a_stages = _ss_rings(128, bm)
         return GluonGemmConfig(128, bm, stages, _largest_split(tiles, k // STEP_K, sms), 4, decoders=3,
                                a_stages=a_stages)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
@@ -172,10 +172,9 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
     for bn, decs in ((128, (2, 3)), (64, (2,))) if k % SS_K_MULTIPLE == 0 else ():
         tiles = -(-n // bn) * -(-m // bm_ss)
         sk = _largest_split(tiles, steps, sms)
+        stages, a_stages = _ss_rings(bn, bm_ss)
         for d in decs:
-            for extra in (0, 1):
-                stages, a_stages = _ss_rings(bn, bm_ss, d, extra)
-                out.append(GluonGemmConfig(bn, bm_ss, stages, sk, 4, decoders=d, a_stages=a_stages))
+            out.append(GluonGemmConfig(bn, bm_ss, stages, sk, 4, decoders=d, a_stages=a_stages))
     return list(dict.fromkeys(out))
 
 
@@ -751,17 +750,18 @@ def ss_stages_fit(block_n: int, block_m: int, stages: int, a_stages: int) -> boo
 
 
 def ss_a_stages(cfg: "GluonGemmConfig") -> int:
-    """The A ring's depth: cfg.a_stages, or one more than the decoders (each decoder writes its own tile
-    while the MMA reads another)."""
-    return cfg.a_stages or cfg.decoders + 1
+    """The A ring's depth: cfg.a_stages, or as deep as the TMA ring (the layout before the rings were
+    split, when each stage held its A tile)."""
+    return cfg.a_stages or cfg.stages
 
 
-def _ss_rings(block_n: int, block_m: int, decoders: int, extra_a: int = 0) -> tuple:
-    """(TMA stages, A tiles) of the shared-A kernel: decoders + 1 + extra_a A tiles, then as many TMA
-    stages as fit, up to 8. The decoders wait for TMA data most (Nsight Compute stall samples at M = 128),
-    and the A tile need not sit in every TMA stage: a separate A ring buys TMA depth."""
-    a_stages = decoders + 1 + extra_a
-    return max(s for s in range(2, 9) if ss_stages_fit(block_n, block_m, s, a_stages)), a_stages
+def _ss_rings(block_n: int, block_m: int) -> tuple:
+    """(TMA stages, A tiles) of the shared-A kernel: the A ring as deep as fits with an equally deep TMA
+    ring, up to 6, then TMA stages up to 6 with what is left. Measured on the H200 (docs/PERF.md): the A
+    depth matters most (M = 128: 5 A tiles with 6 TMA stages 37.0 us, 4 with 7: 38.5 us, 3 with 8: 38.9 us;
+    M = 64: 6 and 6: 30.0 us, 4 with 8: 31.6 us); TMA stages beyond 6 never helped."""
+    a_stages = max(a for a in range(2, 7) if ss_stages_fit(block_n, block_m, a, a))
+    return max(st for st in range(a_stages, 7) if ss_stages_fit(block_n, block_m, st, a_stages)), a_stages
 
 
 def ss_registers(decoders: int, block_n: int) -> tuple:

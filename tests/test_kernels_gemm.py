@@ -444,9 +444,9 @@ def test_gluon_config_choices_and_refusals():
     assert any(c.split_k > 1 for c in G.gluon_candidates(128, 4096, 7168))    # 16 wide row tiles: split K
     assert all(c.split_k == 1 for c in G.gluon_candidates(512, 14336, 4096) if c.block_n == 64)  # 448 tiles
     ws = dict(ws=True, ctas_per_sm=1)
-    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 7, 1, 4, decoders=3, a_stages=4)  # 112
-    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 7, 4, 4, decoders=3, a_stages=4)  # 128
-    assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 8, 4, 4, decoders=3, a_stages=4)
+    assert G.default_gluon_config(128, 14336, 4096) == GluonGemmConfig(128, 128, 6, 1, 4, decoders=3, a_stages=5)  # 112
+    assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 6, 4, 4, decoders=3, a_stages=5)  # 128
+    assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 6, 4, 4, decoders=3, a_stages=6)
     assert G.default_gluon_config(128, 4096, 4224) == GluonGemmConfig(128, 128, 6, 4, 4, **ws)  # K % 256
     assert G.default_gluon_config(256, 4096, 7168) == GluonGemmConfig(128, 256, 6, 4, 4, **ws)
     assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 256, 6, 2, 4, **ws)
@@ -471,7 +471,7 @@ def test_gluon_config_choices_and_refusals():
     assert G.ss_registers(2, 128) == (128, 128) and G.ss_registers(1, 64) == (168, 96)
     assert G.ss_registers(3, 128) == (96, 96)
     assert not G.ss_stages_fit(128, 128, 8, 4) and G.ss_stages_fit(128, 128, 7, 4)
-    assert G._ss_rings(128, 128, 3) == (7, 4) and G._ss_rings(128, 64, 2) == (8, 3)
+    assert G._ss_rings(128, 128) == (6, 5) and G._ss_rings(128, 64) == (6, 6)
     for bad, why in ((GluonGemmConfig(256, 64, 4, 1, 4, decoders=2), "block_n = 64 or 128"),
                      (GluonGemmConfig(128, 64, 4, 1, 4, decoders=4), "1-3"),
                      (GluonGemmConfig(128, 256, 2, 1, 4, decoders=2), "accumulators"),
