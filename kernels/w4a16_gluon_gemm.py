@@ -4,11 +4,11 @@ M of a few dozen to a few hundred tokens. Two designs live here.
 Shared-A (`_w4a16_gluon_ss_kernel`, the default up to 128 tokens when K % 256 == 0): a producer warp
 brings the activation tile, the code words and the scales of each 64-wide K step into a ring of shared
 stages by TMA; decoder warpgroups (three by default, each on every third step; they wait for the stage's
-release before its load, see `_ss_decoder`) decode the codes into a bf16 A tile in the same
-stage (A = code * 2^-126 * s * 2^20, exact; bit tricks in `_DECODE_WORD_BF16_ASM`); one MMA warpgroup
+release before its load, see `_ss_decoder`) decode the codes into a bf16 A tile of a second ring
+(A = code * 2^-126 * s * 2^20, exact; bit tricks in `_DECODE_WORD_BF16_ASM`); one MMA warpgroup
 issues shared x shared wgmmas with one left in flight. Decode and MMA are separate warps, so the
 register-A hazard below does not arise, and x enters as it is (bf16, physical K order: no permute pass).
-On the H200: 0.88-0.90x bf16 at M = 128, 0.97-1.13x at M = 64 (docs/PERF.md).
+On the H200: 0.88-0.90x bf16 at M = 128, 0.94-1.13x at M = 48-64 (docs/PERF.md).
 
 Register-A (the rest of this docstring; the default above 128 tokens):
 
@@ -120,7 +120,7 @@ def _largest_split(tiles: int, steps: int, max_ctas: int, choices=(1, 2, 3, 4, 6
 
 def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
     """The measured defaults (H200, docs/PERF.md). Up to 128 tokens with K % 256 == 0: the shared-A
-    kernel (128 weight rows, three decoder warpgroups taking every third step, as many stages as fit,
+    kernel (128 weight rows, three decoder warpgroups taking every third step, the rings of `_ss_rings`,
     split-K up to one wave); it beat the register-A kernel by 1.15-1.22x at M = 64 and 128, and three
     decoders beat two by 2-6% at both bench shapes for M = 48, 64 and 128. Otherwise the
     warp-specialized register-A kernel with two consumer warpgroups, all tokens of up to 256 in one CTA
@@ -165,9 +165,9 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         sk = _largest_split(tiles, steps, sms)
         for st in (3, 6):
             out.append(GluonGemmConfig(bn, bm, st, sk, 4, ws=True, ctas_per_sm=1))
-    # shared-A (K % 256 == 0): up to 128 tokens per CTA (the MMA warpgroup's accumulators), as many
-    # stages as fit up to 6, two or three decoder warpgroups (one was always slower); 64-row tiles halve
-    # the split-K partials where 128-row tiles need a deep split to fill the SMs
+    # shared-A (K % 256 == 0): up to 128 tokens per CTA (the MMA warpgroup's accumulators), the rings of
+    # _ss_rings, two or three decoder warpgroups (one was always slower); 64-row tiles halve the split-K
+    # partials where 128-row tiles need a deep split to fill the SMs
     bm_ss = min(128, bm)
     for bn, decs in ((128, (2, 3)), (64, (2,))) if k % SS_K_MULTIPLE == 0 else ():
         tiles = -(-n // bn) * -(-m // bm_ss)
@@ -746,7 +746,8 @@ if HAVE_GLUON:
 def ss_stages_fit(block_n: int, block_m: int, stages: int, a_stages: int) -> bool:
     """Whether the rings fit in one CTA's shared memory: `stages` TMA stages (the x tile, bf16 64 wide; the
     code words, 32 bytes a row; the scale box, 16 bytes a row) and `a_stages` decoded bf16 A tiles."""
-    return stages * (2 * STEP_K * block_m + 48 * block_n) + a_stages * 2 * STEP_K * block_n + 1024 <= SS_SMEM_BYTES
+    tma_stage = 2 * STEP_K * block_m + 48 * block_n
+    return stages * tma_stage + a_stages * 2 * STEP_K * block_n + 1024 <= SS_SMEM_BYTES
 
 
 def ss_a_stages(cfg: "GluonGemmConfig") -> int:

@@ -12,7 +12,6 @@ samples that come back.
 from __future__ import annotations
 
 import base64
-import functools
 
 import pytest
 import torch

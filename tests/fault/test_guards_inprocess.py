@@ -2,7 +2,6 @@
 and the trainer step bit-identical; a finite step changes them; a failed engine is restarted and the retried batch
 equals an undisturbed generate; checkpoint checksums catch a flipped byte."""
 import json
-import math
 
 import pytest
 import torch
