@@ -562,8 +562,8 @@ if HAVE_GLUON:
 if HAVE_GLUON:
     # ------------------------------------------------------------------------------------------------
     # Shared-A variant: a producer warp brings x, the code bytes and the scales of each K step into a
-    # ring of shared-memory stages by TMA; decoder warpgroups decode the codes into a bf16 A tile in the
-    # same stage; one MMA warpgroup issues shared x shared wgmmas with one left in flight. Decode and MMA
+    # ring of shared-memory stages by TMA; decoder warpgroups decode the codes into bf16 A tiles of a
+    # second ring; one MMA warpgroup issues shared x shared wgmmas with one left in flight. Decode and MMA
     # are different warps (no register-A hazard), and every global read is a TMA, so nothing the
     # decoders' fence (fence.proxy.async, a MEMBAR) waits for is a DRAM load: with the codes loaded into
     # registers ahead of time, that fence waited for the prefetch every step (45.7 us against the

@@ -3,9 +3,10 @@
 
 A pipeline-protocol race shows up as a rare hang or a rare wrong tile, not in a handful of test calls. For
 each config (default: every shared-A candidate at the bench shapes), this replays a CUDA graph of
-`--calls-per-graph` calls many times and then checks that every call's output is bit-identical to the
-first one and close to the dequantize-then-matmul reference. Each config prints before it starts (a hang
-names its config) and its call count when done; run it under `timeout`.
+`--calls-per-graph` calls many times (outputs zeroed before each replay). Every replay must finish (a
+hang names its config: each config prints before it starts; run it under `timeout`); every 50th replay's
+outputs, all calls of the graph, must be bit-identical to the first call's; and that first output must be
+within REL_TOL of the fp32 dequantize-then-matmul reference.
 
   timeout 300 python tools/stress_gluon.py --calls 20000 --ms 64,128
 """
@@ -20,6 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import DENSE_SHAPES, _imports, _random_prepared, rel_err  # noqa: E402
+
+REL_TOL = 1e-2   # bf16 output against an fp32 reference: the kernels measure 2.4e-3 here
 
 
 def stress(dense, layouts, k, n, m, cfg, calls, per_graph):
@@ -46,7 +49,10 @@ def stress(dense, layouts, k, n, m, cfg, calls, per_graph):
             if bad:
                 return f"MISMATCH in calls {bad[:4]} of replay {r}"
     torch.cuda.synchronize()
-    return f"ok, {replays * per_graph} calls, rel. err {rel_err(first.float(), ref):.1e}"
+    err = rel_err(first.float(), ref)
+    if err > REL_TOL:
+        return f"WRONG: rel. err {err:.1e} > {REL_TOL:g} against the reference"
+    return f"ok, {replays * per_graph} calls, rel. err {err:.1e}"
 
 
 def main():
