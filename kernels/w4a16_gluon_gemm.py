@@ -90,14 +90,11 @@ class GluonGemmConfig:
     #                           warpgroups (1-3), one MMA warpgroup and a TMA producer warp
     a_stages: int = 0         # shared-A: decoded A tiles in their own ring of this many (0: as many as
     #                           `stages`, which is then the depth of the TMA ring: x, codes, scales)
-    code_stages: int = 0      # shared-A: > 0 puts the code words and scales in a ring of their own, this
-    #                           deep, released by the decoders (`stages` then counts x tiles only)
 
     def short(self) -> str:
         if self.decoders:
-            codes = f"c{self.code_stages}" if self.code_stages else ""
-            return (f"GS{self.block_n}x{self.block_m}/s{self.stages}a{ss_a_stages(self)}{codes}"
-                    f"/sk{self.split_k}/d{self.decoders}")
+            return (f"GS{self.block_n}x{self.block_m}/s{self.stages}a{ss_a_stages(self)}/sk{self.split_k}"
+                    f"/d{self.decoders}")
         if self.ws:
             return f"GW{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/c{self.ctas_per_sm}"
         return f"G{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/w{self.num_warps}"
@@ -178,10 +175,6 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         stages, a_stages = _ss_rings(bn, bm_ss)
         for d in decs:
             out.append(GluonGemmConfig(bn, bm_ss, stages, sk, 4, decoders=d, a_stages=a_stages))
-        if bn == 128:   # the codes in a ring of their own (x tiles, A tiles, code stages)
-            for st, a, c in ((4, 5, 12), (3, 6, 12), (5, 5, 8), (4, 6, 8), (6, 6, 12), (4, 7, 12), (5, 6, 14)):
-                if ss_stages_fit(bn, bm_ss, st, a, c):
-                    out.append(GluonGemmConfig(bn, bm_ss, st, sk, 4, decoders=3, a_stages=a, code_stages=c))
     return list(dict.fromkeys(out))
 
 
@@ -614,37 +607,8 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(s_desc, [row0, (t // 4) * 8], ready.index(stage), s_smem.index(stage))
 
     @gluon.jit
-    def _ss_split_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, c_ready, c_empty,
-                           row0, off_m, t_begin, n_steps, STAGES: gl.constexpr, C_STAGES: gl.constexpr,
-                           LEAD: gl.constexpr):
-        """One warp, split rings: the code words and scales of step j (the HBM stream) go into the code
-        ring LEAD steps before the x tile of step j (an L2 hit) goes into the x ring. The decoders release
-        a code stage as soon as they have read it, so the weight stream is prefetched far ahead of the
-        MMA, while an x tile is held until its wgmma has finished. Deadlock-free for LEAD <= C_STAGES +
-        A_STAGES + DECODERS - 2: beyond, the code stage iteration j waits for is held by a decoder whose A
-        tile only a wgmma on a later x tile can free (tests/test_kernels_gemm.py models it)."""
-        x_bytes: gl.constexpr = x_desc.block_type.nbytes
-        c_bytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        for j in range(n_steps + LEAD):
-            if j < n_steps:
-                cs = j % C_STAGES
-                t = t_begin + j
-                mbarrier.wait(c_empty.index(cs), ((j // C_STAGES) & 1) ^ 1)
-                mbarrier.expect(c_ready.index(cs), c_bytes)
-                tma.async_copy_global_to_shared(w_desc, [row0, t * 8], c_ready.index(cs), w_smem.index(cs))
-                tma.async_copy_global_to_shared(s_desc, [row0, (t // 4) * 8], c_ready.index(cs), s_smem.index(cs))
-            if j >= LEAD:
-                i = j - LEAD
-                stage = i % STAGES
-                mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(stage), x_bytes)
-                tma.async_copy_global_to_shared(x_desc, [off_m, (t_begin + i) * 64], ready.index(stage),
-                                                x_smem.index(stage))
-
-    @gluon.jit
     def _ss_decoder(d, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty, n_steps, ROWS: gl.constexpr,
-                    STAGES: gl.constexpr, A_STAGES: gl.constexpr, DECODERS: gl.constexpr,
-                    RELEASE: gl.constexpr):
+                    STAGES: gl.constexpr, A_STAGES: gl.constexpr, DECODERS: gl.constexpr):
         """One warpgroup: decodes every DECODERS-th step (from step d) from its TMA stage into a free A
         tile of the A ring. Decoders take whole steps, not row slices: a step's decode is a latency chain
         (shared loads, decode, stores, fence, barrier), and D decoders on every D-th step each get D MMA
@@ -660,10 +624,7 @@ if HAVE_GLUON:
         (GS128x128/s5/sk4/d3, (7168, 4096), M = 128). It needs a decoder count that does not divide the
         stage count (else each stage's laps fall to one decoder). With the `empty` wait, `ready` is at most
         one phase behind; `a_empty` is safe the same way as long as A_STAGES >= DECODERS
-        (tests/test_kernels_gemm.py models the protocol; tools/stress_gluon.py replays the kernels).
-
-        `ready`/`empty`/STAGES are the ring the codes are in: the shared TMA ring, or the code ring, which
-        the decoder itself releases (RELEASE) once the words and scales are in registers."""
+        (tests/test_kernels_gemm.py models the protocol; tools/stress_gluon.py replays the kernels)."""
         w3: gl.constexpr = _ss_word_layout(ROWS, 3)
         for i0 in range(0, n_steps, 4 * DECODERS):
             for q in gl.static_range(4 * DECODERS):
@@ -677,8 +638,6 @@ if HAVE_GLUON:
                         words = w_smem.index(stage).load(_ss_word_layout(ROWS, 2))
                         words = gl.convert_layout(gl.reshape(words, [ROWS, 2, 4]), w3, assert_trivial=True)
                         sp = s_smem.index(stage).slice(2 * (q % 4), 2, dim=1).load(gl.SliceLayout(2, w3))
-                        if RELEASE:
-                            mbarrier.arrive(empty.index(stage), count=1)
                         a = _decode_a_bf16(words, sp, ROWS)
                         mbarrier.wait(a_empty.index(slot), ((i // A_STAGES) & 1) ^ 1)
                         a_smem.index(slot).store(a)
@@ -708,35 +667,28 @@ if HAVE_GLUON:
     @gluon.jit
     def _ss_partition(ROLE: gl.constexpr, args, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DECODERS: gl.constexpr,
-                      A_STAGES: gl.constexpr, C_STAGES: gl.constexpr, LEAD: gl.constexpr):
+                      A_STAGES: gl.constexpr):
         """ROLE -2: the MMA warpgroup (then the epilogue); -1: the TMA producer; d >= 0: decoder d (steps
-        d, d + DECODERS, ...). C_STAGES > 0: the codes have their own ring (c_ready / c_empty)."""
+        d, d + DECODERS, ...)."""
         (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor, tile_row0, off_m, pid_k,
-         t_begin, t_end, x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty, c_ready, c_empty) = args
+         t_begin, t_end, x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty) = args
         if ROLE == -2:
             acc = _ss_mma(x_smem, a_smem, ready, a_ready, empty, a_empty, t_end - t_begin, BLOCK_N, BLOCK_M,
                           STAGES, A_STAGES)
             _store_tile(acc, tile_row0, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr,
                         SPLIT_K)
         elif ROLE == -1:
-            if C_STAGES > 0:
-                _ss_split_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, c_ready,
-                                   c_empty, tile_row0, off_m, t_begin, t_end - t_begin, STAGES, C_STAGES, LEAD)
-            else:
-                _ss_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tile_row0, off_m,
-                             t_begin, t_end - t_begin, STAGES)
-        elif C_STAGES > 0:
-            _ss_decoder(ROLE, w_smem, s_smem, a_smem, c_ready, a_ready, c_empty, a_empty, t_end - t_begin,
-                        BLOCK_N, C_STAGES, A_STAGES, DECODERS, True)
+            _ss_producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tile_row0, off_m,
+                         t_begin, t_end - t_begin, STAGES)
         else:
             _ss_decoder(ROLE, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty, t_end - t_begin, BLOCK_N,
-                        STAGES, A_STAGES, DECODERS, False)
+                        STAGES, A_STAGES, DECODERS)
 
     @gluon.jit(do_not_specialize=["M"])
     def _w4a16_gluon_ss_kernel(x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, acc_factor,
                                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                                SPLIT_K: gl.constexpr, DECODERS: gl.constexpr, REGS: gl.constexpr,
-                               A_STAGES: gl.constexpr, C_STAGES: gl.constexpr, LEAD: gl.constexpr):
+                               A_STAGES: gl.constexpr):
         """Shared-A variant. w_desc: TMA over the code words ([N, K/8] int32, box [BLOCK_N, 8]); s_desc:
         over the scale pairs ([N, K/32] int16, box [BLOCK_N, 8]); the rest as _w4a16_gluon_kernel. Rows
         past N arrive as zeros (TMA bounds) and are masked at the store."""
@@ -745,42 +697,41 @@ if HAVE_GLUON:
         per_split = 4 * gl.cdiv(k_steps // 4, SPLIT_K)
         t_begin = gl.minimum(pid_k * per_split, k_steps)
         t_end = gl.minimum(t_begin + per_split, k_steps)
-        CODE_RING: gl.constexpr = C_STAGES if C_STAGES > 0 else STAGES
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(gl.int32, [CODE_RING, BLOCK_N, 8], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(gl.int16, [CODE_RING, BLOCK_N, 8], s_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, 8], s_desc.layout)
         a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [A_STAGES, BLOCK_N, 64], a_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
         a_empty = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-        c_ready = gl.allocate_shared_memory(gl.int64, [CODE_RING, 1], mbarrier.MBarrierLayout())
-        c_empty = gl.allocate_shared_memory(gl.int64, [CODE_RING, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(A_STAGES):
             mbarrier.init(a_ready.index(i), count=1)
             mbarrier.init(a_empty.index(i), count=1)
-        for i in gl.static_range(C_STAGES):
-            mbarrier.init(c_ready.index(i), count=1)
-            mbarrier.init(c_empty.index(i), count=1)
         args = (x_desc, w_desc, s_desc, gs_ptr, y_ptr, ws_ptr, M, N, stride_ym, acc_factor,
                 gl.program_id(0) * BLOCK_N, gl.program_id(1) * BLOCK_M, pid_k, t_begin, t_end,
-                x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty, c_ready, c_empty)
+                x_smem, w_smem, s_smem, a_smem, ready, a_ready, empty, a_empty)
         if DECODERS == 1:
-            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)), (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)),
-                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD))],
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES))],
                                [1, 4], [24, REGS])
         elif DECODERS == 2:
-            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)), (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)),
-                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)), (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD))],
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES))],
                                [1, 4, 4], [24, REGS, REGS])
         else:
-            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)), (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)),
-                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)), (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD)),
-                                (_ss_partition, (2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES, C_STAGES, LEAD))],
+            gl.warp_specialize([(_ss_partition, (-2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (-1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (0, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (1, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES)),
+                                (_ss_partition, (2, args, BLOCK_N, BLOCK_M, STAGES, SPLIT_K, DECODERS, A_STAGES))],
                                [1, 4, 4, 4], [24, REGS, REGS, REGS])
 
 
@@ -792,12 +743,11 @@ if HAVE_GLUON:
     _UNSWIZZLED_16 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
-def ss_stages_fit(block_n: int, block_m: int, stages: int, a_stages: int, code_stages: int = 0) -> bool:
-    """Whether the rings fit in one CTA's shared memory: `stages` x tiles (bf16, 64 wide), the code words
-    (32 bytes a row) and scale boxes (16 bytes a row) of `code_stages` steps (0: of `stages`, the shared
-    TMA ring) and `a_stages` decoded bf16 A tiles."""
-    x_tile, code_tile, a_tile = 2 * STEP_K * block_m, 48 * block_n, 2 * STEP_K * block_n
-    return stages * x_tile + (code_stages or stages) * code_tile + a_stages * a_tile + 1024 <= SS_SMEM_BYTES
+def ss_stages_fit(block_n: int, block_m: int, stages: int, a_stages: int) -> bool:
+    """Whether the rings fit in one CTA's shared memory: `stages` TMA stages (the x tile, bf16 64 wide; the
+    code words, 32 bytes a row; the scale box, 16 bytes a row) and `a_stages` decoded bf16 A tiles."""
+    tma_stage = 2 * STEP_K * block_m + 48 * block_n
+    return stages * tma_stage + a_stages * 2 * STEP_K * block_n + 1024 <= SS_SMEM_BYTES
 
 
 def ss_a_stages(cfg: "GluonGemmConfig") -> int:
@@ -918,7 +868,7 @@ def ss_launch_args(cfg: GluonGemmConfig, xp: torch.Tensor, words: torch.Tensor, 
                 gs_ptr=global_scale, y_ptr=out, ws_ptr=ws, M=m, N=words.shape[0], K=k, stride_ym=out.stride(0),
                 acc_factor=SS_ACC_FACTOR, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                 SPLIT_K=cfg.split_k, DECODERS=cfg.decoders, REGS=regs, A_STAGES=ss_a_stages(cfg),
-                C_STAGES=cfg.code_stages, LEAD=max(cfg.code_stages - 1, 0), num_warps=4, maxnreg=maxnreg)
+                num_warps=4, maxnreg=maxnreg)
 
 
 def _check_ss(cfg: GluonGemmConfig, k: int) -> None:
@@ -936,12 +886,8 @@ def _check_ss(cfg: GluonGemmConfig, k: int) -> None:
     if ss_a_stages(cfg) < cfg.decoders:
         raise ValueError(f"{cfg.short()}: the A ring needs at least one tile per decoder (a_stages >= "
                          f"{cfg.decoders}): a decoder's wait on a reused tile's release is a parity wait")
-    if cfg.code_stages and cfg.code_stages < cfg.decoders:
-        raise ValueError(f"{cfg.short()}: the code ring needs at least one stage per decoder (code_stages >= "
-                         f"{cfg.decoders}): a decoder's wait on a stage's release is a parity wait")
-    if not ss_stages_fit(cfg.block_n, cfg.block_m, cfg.stages, ss_a_stages(cfg), cfg.code_stages):
-        raise ValueError(f"{cfg.short()}: the rings ({cfg.stages} TMA stages, {ss_a_stages(cfg)} A tiles, "
-                         f"{cfg.code_stages} code stages) exceed the "
+    if not ss_stages_fit(cfg.block_n, cfg.block_m, cfg.stages, ss_a_stages(cfg)):
+        raise ValueError(f"{cfg.short()}: {cfg.stages} TMA stages and {ss_a_stages(cfg)} A tiles exceed the "
                          f"{SS_SMEM_BYTES} bytes of shared memory; use fewer stages")
 
 

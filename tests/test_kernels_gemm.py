@@ -337,19 +337,16 @@ def test_gluon_shared_a_bf16_decode_is_exact():
 
 
 def _shared_a_protocol_faults(stages: int, a_stages: int, decoders: int, n_steps: int,
-                              decoder_waits_empty: bool, seed: int, code_stages: int = 0, lead: int = 0) -> list:
+                              decoder_waits_empty: bool, seed: int) -> list:
     """One random interleaving of the shared-A kernel's protocol (_w4a16_gluon_ss_kernel): the producer,
     the decoders and the MMA warpgroup as sequences of mbarrier waits and arrives over the TMA ring
     (`stages`: ready, empty) and the A ring (`a_stages`: a_ready, a_empty), and TMA loads that land in any
-    order. With `code_stages` the codes have their own ring (c_ready, c_empty), which the producer fills
-    `lead` steps ahead of the x ring and the decoders release (_ss_split_producer). A parity wait passes
-    as on the hardware (the barrier's count of completed phases has the other parity). Returns the faults:
-    a wait that passed before the phase it meant had completed, or a deadlock."""
+    order. A parity wait passes as on the hardware (the barrier's count of completed phases has the other
+    parity). Returns the faults: a wait that passed before the phase it meant had completed, or a
+    deadlock."""
     import random
     rng = random.Random(seed)
-    ring = {"ready": stages, "empty": stages, "a_ready": a_stages, "a_empty": a_stages,
-            "c_ready": code_stages or stages, "c_empty": code_stages or stages}
-    code_ready, code_empty = ("c_ready", "c_empty") if code_stages else ("ready", "empty")
+    ring = {"ready": stages, "empty": stages, "a_ready": a_stages, "a_empty": a_stages}
     done = {(b, s): 0 for b, n in ring.items() for s in range(n)}   # completed phases per barrier
 
     def wait(bar, i, released=False):      # the release form (producer-style) or the consumers' form
@@ -358,26 +355,15 @@ def _shared_a_protocol_faults(stages: int, a_stages: int, decoders: int, n_steps
                 lap - 1 if released else lap)
 
     def producer():
-        if not code_stages:
-            for i in range(n_steps):
-                yield wait("empty", i, released=True)
-                yield ("load", "ready", i % stages)            # three TMA copies, landing later
-            return
-        for j in range(n_steps + lead):
-            if j < n_steps:
-                yield wait("c_empty", j, released=True)
-                yield ("load", "c_ready", j % code_stages)
-            if j >= lead:
-                yield wait("empty", j - lead, released=True)
-                yield ("load", "ready", (j - lead) % stages)
+        for i in range(n_steps):
+            yield wait("empty", i, released=True)
+            yield ("load", i % stages)                         # three TMA copies, landing later
 
     def decoder(d):
         for i in range(d, n_steps, decoders):
             if decoder_waits_empty:
-                yield wait(code_empty, i, released=True)
-            yield wait(code_ready, i)
-            if code_stages:                                    # words and scales are in registers
-                yield ("arrive", "c_empty", i % code_stages)
+                yield wait("empty", i, released=True)
+            yield wait("ready", i)
             yield wait("a_empty", i, released=True)
             yield ("arrive", "a_ready", i % a_stages)
 
@@ -396,7 +382,7 @@ def _shared_a_protocol_faults(stages: int, a_stages: int, decoders: int, n_steps
         ready_roles = [n for n, (_, req) in roles.items()
                        if req[0] != "wait" or done[req[1], req[2]] % 2 != req[3]]
         if landing and (not ready_roles or rng.random() < 0.3):    # a pending load lands, in any order
-            done[landing.pop(rng.randrange(len(landing)))] += 1
+            done["ready", landing.pop(rng.randrange(len(landing)))] += 1
             continue
         if not ready_roles:
             return faults + [f"deadlock: {sorted((n, r) for n, (_, r) in roles.items())}"]
@@ -406,7 +392,7 @@ def _shared_a_protocol_faults(stages: int, a_stages: int, decoders: int, n_steps
             faults.append(f"{name}: {req[1]}[{req[2]}] wait for phase {req[4]} passed after "
                           f"{done[req[1], req[2]]} completed phases")
         elif req[0] == "load":
-            landing.append((req[1], req[2]))
+            landing.append(req[1])
         elif req[0] == "arrive":
             done[req[1], req[2]] += 1
         try:
@@ -435,43 +421,6 @@ def test_gluon_shared_a_stage_protocol_has_no_early_wait(stages, a_stages, decod
         assert any("ready" in f and "passed after" in f for f in old), "the model should find the early pass"
     else:   # each stage's laps all fall to one decoder, which waited on the previous lap itself
         assert old == []
-
-
-@pytest.mark.parametrize("stages,a_stages,code_stages,decoders", [(4, 5, 12, 3), (5, 5, 8, 3), (4, 6, 8, 2),
-                                                                  (3, 6, 12, 3), (6, 6, 12, 3), (4, 3, 3, 3)])
-def test_gluon_shared_a_code_ring_protocol(stages, a_stages, code_stages, decoders):
-    """The code ring (codes released by the decoders, filled `code_stages - 1` steps ahead of the x ring,
-    as ss_launch_args sets LEAD): no early pass and no deadlock in any sampled interleaving."""
-    faults = [f for s in range(150) for f in _shared_a_protocol_faults(stages, a_stages, decoders, 40, True, s,
-                                                                      code_stages, code_stages - 1)]
-    assert faults == []
-
-
-@pytest.mark.parametrize("stages,a_stages,decoders,code_stages,lead", [(2, 4, 2, 3, 0), (2, 4, 2, 3, 2),
-                                                                       (2, 5, 3, 4, 0), (2, 4, 3, 5, 1)])
-def test_gluon_shared_a_code_ring_needs_the_release_wait(stages, a_stages, decoders, code_stages, lead):
-    """The decoders' wait on the code stage's release matters with the code ring too: without it the model
-    finds decoders passing a stale `c_ready` phase (shallow rings, short leads make it frequent); with it,
-    none in the same sample."""
-    def faults(guarded):
-        return [f for s in range(150) for f in _shared_a_protocol_faults(stages, a_stages, decoders, 40, guarded, s,
-                                                                         code_stages, lead)]
-    assert any("c_ready" in f and "passed after" in f for f in faults(False))
-    assert faults(True) == []
-
-
-def test_gluon_shared_a_code_ring_lead_bound():
-    """How far the producer may run the codes ahead of x: LEAD <= code_stages + a_stages + decoders - 2
-    (_ss_split_producer's bound; the kernel uses code_stages - 1). One step more deadlocks: the code stage
-    the producer waits for is held by a decoder whose A tile only a wgmma on an x tile the producer has not
-    issued yet can free."""
-    stages, a_stages, decoders, code_stages = 2, 3, 3, 4
-    bound = code_stages + a_stages + decoders - 2
-    over = [f for s in range(20) for f in _shared_a_protocol_faults(stages, a_stages, decoders, 40, True, s,
-                                                                    code_stages, bound + 1)]
-    assert len(over) == 20 and all(f.startswith("deadlock") for f in over)
-    assert [f for s in range(50) for f in _shared_a_protocol_faults(stages, a_stages, decoders, 40, True, s,
-                                                                    code_stages, bound)] == []
 
 
 def test_gluon_shared_a_ring_needs_a_tile_per_decoder():
@@ -515,10 +464,8 @@ def test_gluon_config_choices_and_refusals():
     assert {(c.block_n, c.decoders) for c in ss} == {(128, 2), (128, 3), (64, 2)}
     assert all(c.block_m == 128 for c in ss)
     assert {(c.block_n, c.split_k) for c in G.gluon_candidates(128, 4096, 7168) if c.decoders} == {(128, 4), (64, 2)}
-    assert all(G.ss_stages_fit(c.block_n, c.block_m, c.stages, G.ss_a_stages(c), c.code_stages)
+    assert all(G.ss_stages_fit(c.block_n, c.block_m, c.stages, G.ss_a_stages(c))
                for c in G.gluon_candidates(64, 4096, 7168) if c.decoders)
-    assert any(c.code_stages for c in G.gluon_candidates(128, 14336, 4096))
-    assert G.ss_stages_fit(128, 128, 4, 5, 12) and not G.ss_stages_fit(128, 128, 4, 5, 14)
     assert all(c.block_m == 128 for c in G.gluon_candidates(512, 4096, 7168) if c.decoders)
     assert not any(c.decoders for c in G.gluon_candidates(128, 4096, 4160))    # TMA scale rows: K % 256
     assert G.ss_registers(2, 128) == (128, 128) and G.ss_registers(1, 64) == (168, 96)
@@ -529,9 +476,7 @@ def test_gluon_config_choices_and_refusals():
                      (GluonGemmConfig(128, 64, 4, 1, 4, decoders=4), "1-3"),
                      (GluonGemmConfig(128, 256, 2, 1, 4, decoders=2), "accumulators"),
                      (GluonGemmConfig(128, 128, 8, 1, 4, decoders=2, a_stages=4), "shared memory"),
-                     (GluonGemmConfig(128, 128, 6, 1, 4, decoders=3, a_stages=2), "one tile per decoder"),
-                     (GluonGemmConfig(128, 128, 4, 1, 4, decoders=3, a_stages=5, code_stages=2), "one stage per"),
-                     (GluonGemmConfig(128, 128, 4, 1, 4, decoders=3, a_stages=5, code_stages=14), "shared memory")):
+                     (GluonGemmConfig(128, 128, 6, 1, 4, decoders=3, a_stages=2), "one tile per decoder")):
         with pytest.raises(ValueError, match=why):
             G._check_ss(bad, 4096)
     with pytest.raises(ValueError, match="K % 256"):
@@ -586,10 +531,6 @@ if DEVICE == "cuda":
         (128, 512, 4096, GluonGemmConfig(128, 128, 7, 1, 4, decoders=3, a_stages=4)),  # separate A ring: 7 + 4
         (64, 384, 2048, GluonGemmConfig(128, 64, 8, 2, 4, decoders=2, a_stages=3)),   # 8 + 3, split-K 2
         (300, 64, 256, GluonGemmConfig(64, 128, 6, 1, 4, decoders=1)),   # 3 token tiles, 4 steps < 6 stages
-        (128, 512, 4096, GluonGemmConfig(128, 128, 4, 1, 4, decoders=3, a_stages=5, code_stages=12)),  # code ring
-        (100, 200, 1280, GluonGemmConfig(128, 128, 3, 3, 4, decoders=2, a_stages=4, code_stages=5)),  # + split 3
-        (33, 320, 768, GluonGemmConfig(128, 64, 4, 5, 4, decoders=3, a_stages=6, code_stages=7)),  # empty splits
-        (300, 64, 256, GluonGemmConfig(64, 128, 2, 1, 4, decoders=1, a_stages=2, code_stages=9)),  # 4 steps < lead
     ], ids=lambda v: v.short() if isinstance(v, GluonGemmConfig) else str(v))
     def test_gluon_gemm_matches_reference_gpu(m, n, k, cfg):
         _check_configs(m, n, k, [cfg], deterministic=True)

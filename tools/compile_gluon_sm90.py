@@ -19,14 +19,14 @@ import torch
 
 
 def parse_cfg(text: str):
-    """GS{bn}x{bm}/s{stages}a{a_stages}[c{code_stages}]/sk{split}/d{decoders} -> GluonGemmConfig."""
+    """GS{bn}x{bm}/s{stages}a{a_stages}/sk{split}/d{decoders} -> GluonGemmConfig."""
     from megatron_qrl.kernels.w4a16_gluon_gemm import GluonGemmConfig
-    m = re.fullmatch(r"GS(\d+)x(\d+)/s(\d+)a(\d+)(?:c(\d+))?/sk(\d+)/d(\d+)", text)
+    m = re.fullmatch(r"GS(\d+)x(\d+)/s(\d+)a(\d+)/sk(\d+)/d(\d+)", text)
     if not m:
-        raise SystemExit(f"--cfg {text!r}: expected GS<bn>x<bm>/s<stages>a<a_stages>[c<code_stages>]/sk<split>/d<decoders>")
-    bn, bm, st, a, c, sk, d = m.groups()
+        raise SystemExit(f"--cfg {text!r}: expected GS<bn>x<bm>/s<stages>a<a_stages>/sk<split>/d<decoders>")
+    bn, bm, st, a, sk, d = m.groups()
     return GluonGemmConfig(block_n=int(bn), block_m=int(bm), stages=int(st), a_stages=int(a),
-                           code_stages=int(c or 0), split_k=int(sk), decoders=int(d))
+                           split_k=int(sk), decoders=int(d))
 
 
 def compile_ss(cfg, m: int, n: int, k: int):
