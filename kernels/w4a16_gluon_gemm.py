@@ -86,6 +86,8 @@ class GluonGemmConfig:
     ws: bool = False          # warp-specialized: a TMA producer warp and block_n / 64 consumer warpgroups
     ctas_per_sm: int = 1      # ws: the register budget is split for this many resident CTAs (2 leaves too
     #                           few registers for a wgmma with 2+ consumers: ptxas refuses, launch says so)
+    pipelined: bool = False   # ws: each consumer decodes the next pair of steps while its last pair's
+    #                           wgmmas run (their A registers kept alive through the wait); needs stages >= 4
     decoders: int = 0         # > 0: the shared-A kernel (_w4a16_gluon_ss_kernel) with this many decoder
     #                           warpgroups (1-3), one MMA warpgroup and a TMA producer warp
     a_stages: int = 0         # shared-A: decoded A tiles in their own ring of this many (0: as many as
@@ -96,7 +98,8 @@ class GluonGemmConfig:
             return (f"GS{self.block_n}x{self.block_m}/s{self.stages}a{ss_a_stages(self)}/sk{self.split_k}"
                     f"/d{self.decoders}")
         if self.ws:
-            return f"GW{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/c{self.ctas_per_sm}"
+            return (f"GW{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/c{self.ctas_per_sm}"
+                    + ("/p" if self.pipelined else ""))
         return f"G{self.block_n}x{self.block_m}/s{self.stages}/sk{self.split_k}/w{self.num_warps}"
 
 
@@ -165,6 +168,9 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         sk = _largest_split(tiles, steps, sms)
         for st in (3, 6):
             out.append(GluonGemmConfig(bn, bm, st, sk, 4, ws=True, ctas_per_sm=1))
+        if k % 256 == 0 and bn == 128:   # consumers that decode a pair while the last one's wgmmas run
+            #                                (192 rows: 3 consumers at 160 registers spill)
+            out.append(GluonGemmConfig(bn, bm, 6, sk, 4, ws=True, ctas_per_sm=1, pipelined=True))
     # shared-A (K % 256 == 0): up to 128 tokens per CTA (the MMA warpgroup's accumulators), the rings of
     # _ss_rings, two or three decoder warpgroups (one was always slower); 64-row tiles halve the split-K
     # partials where 128-row tiles need a deep split to fill the SMs
@@ -463,7 +469,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_consumer(row0, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn, stride_sn, stride_ym,
                      acc_factor, off_m, pid_k, t_begin, t_end, x_smem, ready, empty,
-                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
+                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
+                     PIPELINED: gl.constexpr):
         """One warpgroup: 64 weight rows from row0 over the CTA's K range, then their outputs."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
@@ -480,16 +487,51 @@ if HAVE_GLUON:
         w_a1, s_a1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + 1, t_end)
         w_b0, s_b0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + 2, t_end)
         w_b1, s_b1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + 3, t_end)
-        for i in range(0, n_steps, 4):
-            acc = _ws_pair(i, w_a0, s_a0, w_a1, s_a1, acc, x_smem, ready, empty, STAGES, a_layout)
-            w_a0, s_a0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 4, t_end)
-            w_a1, s_a1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 5, t_end)
-            if i + 2 < n_steps:
-                acc = _ws_pair(i + 2, w_b0, s_b0, w_b1, s_b1, acc, x_smem, ready, empty, STAGES, a_layout)
-            w_b0, s_b0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 6, t_end)
-            w_b1, s_b1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 7, t_end)
+        if PIPELINED:
+            # Pair i + 2 is decoded while pair i's wgmmas run; both are waited for at the end of the trip.
+            # No A register is loop-carried while a wgmma may read it: ptxas serializes every wgmma
+            # (C7513) when the next trip's decode could define registers an in-flight wgmma reads.
+            for i in range(0, n_steps, 4):
+                c0 = _decode_a(w_a0, s_a0, 64, a_layout)
+                c1 = _decode_a(w_a1, s_a1, 64, a_layout)
+                w_a0, s_a0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 4, t_end)
+                w_a1, s_a1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 5, t_end)
+                acc = _ws_issue_pair(i, c0, c1, acc, x_smem, ready, STAGES)
+                d0 = _decode_a(w_b0, s_b0, 64, a_layout)          # every split has 4k steps (host)
+                d1 = _decode_a(w_b1, s_b1, 64, a_layout)
+                acc = _ws_issue_pair(i + 2, d0, d1, acc, x_smem, ready, STAGES)
+                acc, c0, c1, d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, c0, c1, d0, d1))
+                _ws_release_pair(i, empty, STAGES, True)
+                _ws_release_pair(i + 2, empty, STAGES, True)
+                w_b0, s_b0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 6, t_end)
+                w_b1, s_b1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 7, t_end)
+        else:
+            for i in range(0, n_steps, 4):
+                acc = _ws_pair(i, w_a0, s_a0, w_a1, s_a1, acc, x_smem, ready, empty, STAGES, a_layout)
+                w_a0, s_a0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 4, t_end)
+                w_a1, s_a1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 5, t_end)
+                if i + 2 < n_steps:
+                    acc = _ws_pair(i + 2, w_b0, s_b0, w_b1, s_b1, acc, x_smem, ready, empty, STAGES, a_layout)
+                w_b0, s_b0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 6, t_end)
+                w_b1, s_b1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 7, t_end)
 
         _store_tile(acc, row0, off_m, pid_k, M, N, gs_ptr, acc_factor, y_ptr, stride_ym, ws_ptr, SPLIT_K)
+
+    @gluon.jit
+    def _ws_issue_pair(i, a0, a1, acc, x_smem, ready, STAGES: gl.constexpr):
+        """The wgmmas of steps i and i + 1 (A from registers), each once its activation stage has landed."""
+        st0 = i % STAGES
+        st1 = (i + 1) % STAGES
+        mbarrier.wait(ready.index(st0), (i // STAGES) & 1)
+        acc = warpgroup_mma(a0, x_smem.index(st0).permute((1, 0)), acc, is_async=True)
+        mbarrier.wait(ready.index(st1), ((i + 1) // STAGES) & 1)
+        return warpgroup_mma(a1, x_smem.index(st1).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
+    def _ws_release_pair(i, empty, STAGES: gl.constexpr, pred):
+        """This consumer is done with the activation stages of steps i and i + 1 (i >= -2)."""
+        mbarrier.arrive(empty.index((i + STAGES) % STAGES), count=1, pred=pred)
+        mbarrier.arrive(empty.index((i + 1 + STAGES) % STAGES), count=1, pred=pred)
 
     @gluon.jit
     def _ws_pair(i, w0, s0, w1, s1, acc, x_smem, ready, empty, STAGES: gl.constexpr, a_layout: gl.constexpr):
@@ -509,7 +551,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_partition(ROLE: gl.constexpr, args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      SPLIT_K: gl.constexpr):
+                      SPLIT_K: gl.constexpr, PIPELINED: gl.constexpr):
         """ROLE -1: the TMA producer; ROLE c >= 0: consumer warpgroup c (rows c * 64 .. c * 64 + 63 of the
         CTA's tile). One function for all partitions: Gluon wants one signature for the workers."""
         (x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn, stride_sn, stride_ym, acc_factor,
@@ -519,20 +561,21 @@ if HAVE_GLUON:
         else:
             _ws_consumer(tile_row0 + ROLE * 64, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn,
                          stride_sn, stride_ym, acc_factor, off_m, pid_k, t_begin, t_end, x_smem, ready,
-                         empty, BLOCK_M, STAGES, SPLIT_K)
+                         empty, BLOCK_M, STAGES, SPLIT_K, PIPELINED)
 
     @gluon.jit(do_not_specialize=["M"])
     def _w4a16_gluon_ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr,
                                M, N, K, stride_wn, stride_sn, stride_ym, acc_factor,
                                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                               CONSUMERS: gl.constexpr, REGS: gl.constexpr):
+                               CONSUMERS: gl.constexpr, REGS: gl.constexpr, PIPELINED: gl.constexpr):
         """Warp-specialized variant: no CTA-wide barriers in the main loop, so the consumer warpgroups
         drift apart and one decodes while another's wgmma runs. Arguments as _w4a16_gluon_kernel."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
         k_steps = K // 64                                  # even (K % 128 == 0), and so is every split
-        per_split = 2 * gl.cdiv(k_steps // 2, SPLIT_K)
+        STEP_GROUP: gl.constexpr = 4 if PIPELINED else 2   # a pipelined consumer takes 4 steps a trip
+        per_split = STEP_GROUP * gl.cdiv(k_steps // STEP_GROUP, SPLIT_K)
         t_begin = gl.minimum(pid_k * per_split, k_steps)
         t_end = gl.minimum(t_begin + per_split, k_steps)
         off_m = pid_m * BLOCK_M
@@ -545,18 +588,18 @@ if HAVE_GLUON:
         args = (x_desc, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, M, N, stride_wn, stride_sn, stride_ym,
                 acc_factor, pid_n * (CONSUMERS * 64), off_m, pid_k, t_begin, t_end, x_smem, ready, empty)
         if CONSUMERS == 1:
-            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K))], [1], [24])
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED))], [1], [24])
         elif CONSUMERS == 2:
-            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K)),
-                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K))], [1, 4], [24, REGS])
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)),
+                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED))], [1, 4], [24, REGS])
         elif CONSUMERS == 3:
-            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K)),
-                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (2, args, BLOCK_M, STAGES, SPLIT_K))],
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)),
+                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)), (_ws_partition, (2, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED))],
                                [1, 4, 4], [24, REGS, REGS])
         else:
-            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K)),
-                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K)), (_ws_partition, (2, args, BLOCK_M, STAGES, SPLIT_K)),
-                                (_ws_partition, (3, args, BLOCK_M, STAGES, SPLIT_K))], [1, 4, 4, 4], [24, REGS, REGS, REGS])
+            gl.warp_specialize([(_ws_partition, (0, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)), (_ws_partition, (-1, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)),
+                                (_ws_partition, (1, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)), (_ws_partition, (2, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED)),
+                                (_ws_partition, (3, args, BLOCK_M, STAGES, SPLIT_K, PIPELINED))], [1, 4, 4, 4], [24, REGS, REGS, REGS])
 
 
 if HAVE_GLUON:
@@ -819,28 +862,16 @@ def launch_gluon_gemm(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GluonGemmConf
         xp = x2 if x2.data_ptr() % 16 == 0 and x2.stride(0) == k else x2.clone(memory_format=torch.contiguous_format)
         _w4a16_gluon_ss_kernel[grid](**ss_launch_args(cfg, xp, words, pairs, w.global_scale, out, ws))
         return _sum_splits(ws, out, cfg.split_k)
+    if cfg.ws:
+        _w4a16_gluon_ws_kernel[grid](**ws_launch_args(cfg, permute_x(x2), words, pairs, w.global_scale, out, ws))
+        return _sum_splits(ws, out, cfg.split_k)
     # fp16 x * 2^-8 in the register-A kernels' K order
     layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, STEP_K], gl.float16)
     desc = TensorDescriptor.from_tensor(permute_x(x2), [cfg.block_m, STEP_K], layout)
-    if cfg.ws:
-        if k % 128:
-            raise ValueError(f"the warp-specialized Gluon kernel needs K % 128 == 0 (got K = {k}); use a "
-                             f"GluonGemmConfig with ws=False")
-        consumers = cfg.block_n // 64
-        maxnreg, regs = ws_registers(consumers, cfg.ctas_per_sm)
-        if maxnreg < 96:
-            raise ValueError(f"{cfg.short()}: {consumers} consumer warpgroups at {cfg.ctas_per_sm} CTAs per SM "
-                             f"leave {maxnreg} registers per thread, too few for the wgmma (ptxas needs ~94); "
-                             f"use ctas_per_sm=1 or fewer consumers")
-        _w4a16_gluon_ws_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
-                                     words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
-                                     BLOCK_M=cfg.block_m, STAGES=cfg.stages, SPLIT_K=cfg.split_k,
-                                     CONSUMERS=consumers, REGS=regs, num_warps=4, maxnreg=maxnreg)
-    else:
-        _w4a16_gluon_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
-                                  words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
-                                  BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                                  SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+    _w4a16_gluon_kernel[grid](desc, words, pairs, w.global_scale, out, ws, m, n, k,
+                              words.stride(0), pairs.stride(0), out.stride(0), ACC_FACTOR,
+                              BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                              SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
     return _sum_splits(ws, out, cfg.split_k)
 
 
@@ -869,6 +900,32 @@ def ss_launch_args(cfg: GluonGemmConfig, xp: torch.Tensor, words: torch.Tensor, 
                 acc_factor=SS_ACC_FACTOR, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                 SPLIT_K=cfg.split_k, DECODERS=cfg.decoders, REGS=regs, A_STAGES=ss_a_stages(cfg),
                 num_warps=4, maxnreg=maxnreg)
+
+
+def ws_launch_args(cfg: GluonGemmConfig, xp: torch.Tensor, words: torch.Tensor, pairs: torch.Tensor,
+                   global_scale: torch.Tensor, out: torch.Tensor, ws: torch.Tensor) -> dict:
+    """The warp-specialized register-A kernel's arguments by name (xp: `permute_x` of the activations),
+    launch options last, after its limits are checked."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    m, k = xp.shape
+    if k % 128:
+        raise ValueError(f"the warp-specialized Gluon kernel needs K % 128 == 0 (got K = {k}); use a "
+                         f"GluonGemmConfig with ws=False")
+    if cfg.pipelined and (cfg.stages < 4 or k % 256):
+        raise ValueError(f"{cfg.short()}: a pipelined consumer takes 4 steps (two pairs of activation "
+                         f"stages) at a time; it needs stages >= 4 and K % 256 == 0 (got K = {k})")
+    consumers = cfg.block_n // 64
+    maxnreg, regs = ws_registers(consumers, cfg.ctas_per_sm)
+    if maxnreg < 96:
+        raise ValueError(f"{cfg.short()}: {consumers} consumer warpgroups at {cfg.ctas_per_sm} CTAs per SM "
+                         f"leave {maxnreg} registers per thread, too few for the wgmma (ptxas needs ~94); "
+                         f"use ctas_per_sm=1 or fewer consumers")
+    layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, STEP_K], gl.float16)
+    return dict(x_desc=TensorDescriptor.from_tensor(xp, [cfg.block_m, STEP_K], layout), w_ptr=words,
+                s_ptr=pairs, gs_ptr=global_scale, y_ptr=out, ws_ptr=ws, M=m, N=words.shape[0], K=k,
+                stride_wn=words.stride(0), stride_sn=pairs.stride(0), stride_ym=out.stride(0),
+                acc_factor=ACC_FACTOR, BLOCK_M=cfg.block_m, STAGES=cfg.stages, SPLIT_K=cfg.split_k,
+                CONSUMERS=consumers, REGS=regs, PIPELINED=cfg.pipelined, num_warps=4, maxnreg=maxnreg)
 
 
 def _check_ss(cfg: GluonGemmConfig, k: int) -> None:

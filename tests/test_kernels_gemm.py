@@ -472,6 +472,14 @@ def test_gluon_config_choices_and_refusals():
     assert G.ss_registers(3, 128) == (96, 96)
     assert not G.ss_stages_fit(128, 128, 8, 4) and G.ss_stages_fit(128, 128, 7, 4)
     assert G._ss_rings(128, 128) == (6, 5) and G._ss_rings(128, 64) == (6, 6)
+    if DEVICE == "cuda":
+        for bad, k_bad in ((GluonGemmConfig(128, 64, 3, 1, 4, ws=True, pipelined=True), 256),
+                           (GluonGemmConfig(128, 64, 6, 1, 4, ws=True, pipelined=True), 384)):
+            with pytest.raises(ValueError, match="stages >= 4 and K % 256"):
+                G.launch_gluon_gemm(torch.zeros(64, k_bad, dtype=torch.bfloat16, device=DEVICE),
+                                    _weight("nvfp4", 128, k_bad, gen), bad,
+                                    torch.empty(64, 128, dtype=torch.bfloat16, device=DEVICE))
+    assert any(c.pipelined for c in G.gluon_candidates(128, 14336, 4096))
     for bad, why in ((GluonGemmConfig(256, 64, 4, 1, 4, decoders=2), "block_n = 64 or 128"),
                      (GluonGemmConfig(128, 64, 4, 1, 4, decoders=4), "1-3"),
                      (GluonGemmConfig(128, 256, 2, 1, 4, decoders=2), "accumulators"),
@@ -524,6 +532,10 @@ if DEVICE == "cuda":
         (100, 200, 1024, GluonGemmConfig(192, 128, 6, 3, 4, ws=True)),  # 3 consumers, partial tiles, split 3
         (33, 256, 768, GluonGemmConfig(256, 64, 3, 5, 4, ws=True)),     # 4 consumers, uneven split-K 5
         (300, 128, 256, GluonGemmConfig(128, 256, 3, 1, 4, ws=True)),   # 256-token tiles, 4 steps
+        (128, 256, 1024, GluonGemmConfig(128, 128, 6, 1, 4, ws=True, pipelined=True)),  # pipelined consumers
+        (100, 200, 1024, GluonGemmConfig(128, 128, 4, 3, 4, ws=True, pipelined=True)),  # partial, an empty split
+        (300, 128, 256, GluonGemmConfig(128, 256, 4, 1, 4, ws=True, pipelined=True)),   # 256 tokens, 4 steps
+        (33, 192, 768, GluonGemmConfig(64, 64, 6, 1, 4, ws=True, pipelined=True)),      # one consumer, 12 steps
         (128, 256, 768, GluonGemmConfig(128, 128, 5, 1, 4, decoders=2)),  # shared A: 12 steps over 5 stages
         (100, 200, 1280, GluonGemmConfig(128, 128, 4, 3, 4, decoders=1)),  # partial tiles, 20 steps, split 3
         (33, 320, 768, GluonGemmConfig(128, 64, 3, 5, 4, decoders=2)),   # 64-token tiles, uneven split-K 5

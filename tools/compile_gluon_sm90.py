@@ -1,4 +1,4 @@
-"""Compile the shared-A Gluon W4A16 kernel for sm_90a on a machine without a GPU, and report what ptxas
+"""Compile the Gluon W4A16 kernels (shared-A, warp-specialized register-A) for sm_90a on a machine without a GPU, and report what ptxas
 made of it: registers, spills (local loads/stores in the SASS), shared memory. Why: device time is short,
 and a config that spills or does not fit is known before a GPU call.
 
@@ -19,38 +19,46 @@ import torch
 
 
 def parse_cfg(text: str):
-    """GS{bn}x{bm}/s{stages}a{a_stages}/sk{split}/d{decoders} -> GluonGemmConfig."""
+    """A bench name -> GluonGemmConfig: GS{bn}x{bm}/s{stages}a{a_stages}/sk{split}/d{decoders} (shared-A)
+    or GW{bn}x{bm}/s{stages}/sk{split}/c{ctas_per_sm}[/p] (warp-specialized register-A)."""
     from megatron_qrl.kernels.w4a16_gluon_gemm import GluonGemmConfig
-    m = re.fullmatch(r"GS(\d+)x(\d+)/s(\d+)a(\d+)/sk(\d+)/d(\d+)", text)
-    if not m:
-        raise SystemExit(f"--cfg {text!r}: expected GS<bn>x<bm>/s<stages>a<a_stages>/sk<split>/d<decoders>")
-    bn, bm, st, a, sk, d = m.groups()
-    return GluonGemmConfig(block_n=int(bn), block_m=int(bm), stages=int(st), a_stages=int(a),
-                           split_k=int(sk), decoders=int(d))
+    gs = re.fullmatch(r"GS(\d+)x(\d+)/s(\d+)a(\d+)/sk(\d+)/d(\d+)", text)
+    if gs:
+        bn, bm, st, a, sk, d = (int(v) for v in gs.groups())
+        return GluonGemmConfig(block_n=bn, block_m=bm, stages=st, a_stages=a, split_k=sk, decoders=d)
+    gw = re.fullmatch(r"GW(\d+)x(\d+)/s(\d+)/sk(\d+)/c(\d+)(/p)?", text)
+    if gw:
+        bn, bm, st, sk, c = (int(v) for v in gw.groups()[:5])
+        return GluonGemmConfig(block_n=bn, block_m=bm, stages=st, split_k=sk, ws=True, ctas_per_sm=c,
+                               pipelined=bool(gw.group(6)))
+    raise SystemExit(f"--cfg {text!r}: expected GS<bn>x<bm>/s<stages>a<a_stages>/sk<split>/d<decoders> or "
+                     f"GW<bn>x<bm>/s<stages>/sk<split>/c<ctas>[/p]")
 
 
-def compile_ss(cfg, m: int, n: int, k: int):
-    """triton.compile of _w4a16_gluon_ss_kernel for this config and problem, target sm_90a."""
+def compile_config(cfg, m: int, n: int, k: int):
+    """triton.compile of the config's kernel for this problem, target sm_90a, from the launch's own
+    argument list (CPU tensors stand in: only shapes, strides and dtypes matter)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     import megatron_qrl.kernels.w4a16_gluon_gemm as g
 
-    words = torch.zeros((n, k // 8), dtype=torch.int32)        # CPU tensors: only shapes, strides, dtypes
+    words = torch.zeros((n, k // 8), dtype=torch.int32)
     pairs = torch.zeros((n, k // 32), dtype=torch.int16)
     out = torch.zeros((m, n), dtype=torch.bfloat16)
     ws = torch.zeros((cfg.split_k, m, n), dtype=torch.float32) if cfg.split_k > 1 else out
-    kwargs = g.ss_launch_args(cfg, torch.zeros((m, k), dtype=torch.bfloat16), words, pairs,
-                              torch.ones(1, dtype=torch.float32), out, ws)
+    if cfg.decoders:
+        fn, launch_args, x = g._w4a16_gluon_ss_kernel, g.ss_launch_args, torch.zeros((m, k), dtype=torch.bfloat16)
+    else:
+        fn, launch_args, x = g._w4a16_gluon_ws_kernel, g.ws_launch_args, torch.zeros((m, k), dtype=torch.float16)
+    kwargs = launch_args(cfg, x, words, pairs, torch.ones(1, dtype=torch.float32), out, ws)
     options = {key: kwargs.pop(key) for key in ("num_warps", "maxnreg")}
-    fn = g._w4a16_gluon_ss_kernel
-    constexprs = {(fn.arg_names.index(name),): kwargs[name] for name in fn.arg_names
-                  if fn.params[fn.arg_names.index(name)].is_constexpr}
-    signature = {name: "constexpr" if (fn.arg_names.index(name),) in constexprs else mangle_type(kwargs[name])
-                 for name in fn.arg_names}
-    src = GluonASTSource(fn, signature, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    constexprs = {(i,): kwargs[name] for i, name in enumerate(fn.arg_names) if fn.params[i].is_constexpr}
+    signature = {name: "constexpr" if (i,) in constexprs else mangle_type(kwargs[name])
+                 for i, name in enumerate(fn.arg_names)}
+    return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 
 
 def cuobjdump(kernel, flag: str) -> str:
@@ -71,14 +79,14 @@ def regs_of(kernel) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cfg", action="append", required=True, help="e.g. GS128x128/s6a5/sk1/d3 (repeatable)")
+    ap.add_argument("--cfg", action="append", required=True, help="e.g. GS128x128/s6a5/sk1/d3 or GW128x128/s6/sk1/c1/p (repeatable)")
     ap.add_argument("--shape", default="128,14336,4096", help="M,N,K")
     ap.add_argument("--dump", default="", help="write ptx and sass per config here")
     a = ap.parse_args(argv)
     m, n, k = (int(v) for v in a.shape.split(","))
     for text in a.cfg:
         cfg = parse_cfg(text)
-        kernel = compile_ss(cfg, m, n, k)
+        kernel = compile_config(cfg, m, n, k)
         sass = cuobjdump(kernel, "--dump-sass")
         spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
         print(f"{cfg.short()}: regs {regs_of(kernel)}, spill insts {spills}, shared {kernel.metadata.shared} B, "
