@@ -122,23 +122,30 @@ def _largest_split(tiles: int, steps: int, max_ctas: int, choices=(1, 2, 3, 4, 6
 
 
 def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmConfig:
-    """The measured defaults (H200, docs/PERF.md). Up to 128 tokens with K % 256 == 0: the shared-A
-    kernel (128 weight rows, three decoder warpgroups taking every third step, the rings of `_ss_rings`,
-    split-K up to one wave); it beat the register-A kernel by 1.15-1.22x at M = 64 and 128, and three
-    decoders beat two by 2-6% at both bench shapes for M = 48, 64 and 128. Otherwise the
-    warp-specialized register-A kernel with two consumer warpgroups, all tokens of up to 256 in one CTA
-    column, split-K up to one wave, 6 activation stages (at M = 512 it beat the shared-A kernel at
-    (4096, 14336) and the non-specialized variants by 1.05-1.32x)."""
+    """The measured defaults (H200, docs/PERF.md).
+
+    Shared-A kernel (K % 256 == 0; 128 weight rows, tokens in 128-wide tiles, three decoder warpgroups
+    on every third step, the rings of `_ss_rings`, split-K up to one wave) whenever its tiles fit in one
+    wave: always up to 128 tokens (it beat the register-A kernel by 1.15-1.22x at M = 64 and 128), and
+    above that when the row tiles are few, as at (7168, 4096), M = 256 and 512 (37.2 / 63.8 against
+    42.8 / 68.1 us for the register-A kernel). Otherwise the warp-specialized register-A kernel with two
+    consumer warpgroups, all tokens of up to 256 in one CTA column, split-K up to one wave, 6 activation
+    stages, pipelined consumers when K % 256 == 0 (3-7% faster at M = 256 and 512; at (4096, 14336) it
+    beat the shared-A kernel's 224 tiles by 1.21-1.24x)."""
+    steps = k // STEP_K
     bm = _token_block(m)
-    tiles = -(-n // 128) * -(-m // bm)
-    if bm <= 128 and k % SS_K_MULTIPLE == 0:
-        stages, a_stages = _ss_rings(128, bm)
-        return GluonGemmConfig(128, bm, stages, _largest_split(tiles, k // STEP_K, sms), 4, decoders=3,
+    bm_ss = min(bm, 128)
+    ss_tiles = -(-n // 128) * -(-m // bm_ss)
+    if k % SS_K_MULTIPLE == 0 and (bm <= 128 or ss_tiles <= sms):
+        stages, a_stages = _ss_rings(128, bm_ss)
+        return GluonGemmConfig(128, bm_ss, stages, _largest_split(ss_tiles, steps, sms), 4, decoders=3,
                                a_stages=a_stages)
+    tiles = -(-n // 128) * -(-m // bm)
     if k % 128:   # the warp-specialized kernel pairs its steps; odd step counts take the plain kernel
-        sk = _largest_split(tiles, k // STEP_K, 2 * sms, (1, 2, 4, 8))
+        sk = _largest_split(tiles, steps, 2 * sms, (1, 2, 4, 8))
         return GluonGemmConfig(128, bm, 2, sk, 8)
-    return GluonGemmConfig(128, bm, 6, _largest_split(tiles, k // STEP_K, sms), 4, ws=True, ctas_per_sm=1)
+    return GluonGemmConfig(128, bm, 6, _largest_split(tiles, steps, sms), 4, ws=True, ctas_per_sm=1,
+                           pipelined=k % SS_K_MULTIPLE == 0)
 
 
 def _splits(tiles: int, steps: int, sms: int) -> list:

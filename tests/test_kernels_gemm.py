@@ -448,10 +448,15 @@ def test_gluon_config_choices_and_refusals():
     assert G.default_gluon_config(128, 4096, 7168) == GluonGemmConfig(128, 128, 6, 4, 4, decoders=3, a_stages=5)  # 128
     assert G.default_gluon_config(64, 4096, 7168) == GluonGemmConfig(128, 64, 6, 4, 4, decoders=3, a_stages=6)
     assert G.default_gluon_config(128, 4096, 4224) == GluonGemmConfig(128, 128, 6, 4, 4, **ws)  # K % 256
-    assert G.default_gluon_config(256, 4096, 7168) == GluonGemmConfig(128, 256, 6, 4, 4, **ws)
-    assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 256, 6, 2, 4, **ws)
+    # above 128 tokens: shared-A while its 128-token tiles fit in one wave (32 row tiles), else register-A
+    assert G.default_gluon_config(256, 4096, 7168) == GluonGemmConfig(128, 128, 6, 2, 4, decoders=3, a_stages=5)
+    assert G.default_gluon_config(512, 4096, 7168) == GluonGemmConfig(128, 128, 6, 1, 4, decoders=3, a_stages=5)
+    assert G.default_gluon_config(1024, 4096, 7168) == GluonGemmConfig(128, 256, 6, 1, 4, **ws, pipelined=True)
+    assert G.default_gluon_config(256, 14336, 4096) == GluonGemmConfig(128, 256, 6, 1, 4, **ws, pipelined=True)
+    assert G.default_gluon_config(256, 4096, 4224) == GluonGemmConfig(128, 256, 6, 4, 4, **ws)  # K % 256
     assert G.ws_registers(2, 1) == (168, 240) and G.ws_registers(4, 1) == (96, 112)
-    assert G.default_gluon_config(128, 14336, 4096) in G.gluon_candidates(128, 14336, 4096)
+    for m, n, k in ((128, 14336, 4096), (256, 4096, 7168), (512, 4096, 7168), (256, 14336, 4096)):
+        assert G.default_gluon_config(m, n, k) in G.gluon_candidates(m, n, k)
     assert not G.supported("mxfp4", 128, 4096) and not G.supported("nvfp4", 128, 96)
     gen = torch.Generator().manual_seed(_seed())
     w4 = _weight("nvfp4", 256, 128, gen)
