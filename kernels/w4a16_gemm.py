@@ -61,9 +61,9 @@ from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # NVFP4 above this M goes to the Gluon kernels (w4a16_gluon_gemm.default_gluon_config: shared-A up to 128
-# tokens or while its tiles fit one wave, register-A beyond): on the H200 they were faster at every measured
-# M from 48 to 512 (1.25-1.6x
-# the Triton wgmma kernel), slower at M = 32; M = 33..47 was not measured (docs/PERF.md)
+# tokens or while its tiles fit one wave, register-A beyond): on the H200 they were faster at every
+# measured M from 48 to 512 (1.25-1.6x the Triton wgmma kernel), slower at M = 32; M = 33..47 was not
+# measured (docs/PERF.md)
 GLUON_MIN_M = 47
 _GLUON_BROKEN = False   # set once if the Gluon kernel fails to build here (another Triton): fall back
 
