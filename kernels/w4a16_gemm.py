@@ -55,6 +55,7 @@ from .rounding import _cast_out, _to_bf16
 from .tiling import split_k_for
 from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
 from .w4a16_gluon_gemm import GluonGemmConfig, default_gluon_config, gluon_candidates, launch_gluon_gemm
+from .w4a16_gluon_gemm import SS_K_MULTIPLE
 from .w4a16_gluon_gemm import supported as gluon_supported
 from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_gemv, mma_gemv_candidates,
                              mma_gemv_supported)
@@ -62,9 +63,11 @@ from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # NVFP4 above this M goes to the Gluon kernels (w4a16_gluon_gemm.default_gluon_config: shared-A up to 128
 # tokens or while its tiles fit one wave, register-A beyond): on the H200 they were faster at every
-# measured M from 48 to 512 (1.25-1.6x the Triton wgmma kernel), slower at M = 32; M = 33..47 was not
-# measured (docs/PERF.md)
+# measured M from 48 to 512 (1.25-1.6x the Triton wgmma kernel), slower at M = 32. Where the shared-A
+# kernel runs (K % 256 == 0) the threshold is lower: at M = 40 it took 30.7 / 19.7 us against the wgmma
+# kernel's 46.3 / 29.4 us ((4096, 14336) / (7168, 4096); docs/PERF.md). M = 33..47 with other K: unmeasured.
 GLUON_MIN_M = 47
+GLUON_MIN_M_SHARED_A = 32
 _GLUON_BROKEN = False   # set once if the Gluon kernel fails to build here (another Triton): fall back
 
 X_SHIFT = 8          # fp16 path: x is fed as x * 2^-8
@@ -371,7 +374,8 @@ def heuristic_config(fmt: str, m: int, n: int, k: int, sms: int = NUM_SMS_DEFAUL
         return make_gemv_config(m, n, k, sms, bn, g, per_sm, prefetch=pf)
     if mma_gemv_supported(fmt, m, k) and gemv_bucket(m) in _MMA_GEMV_BUCKETS:
         return default_mma_gemv_config(m, n, k, sms)
-    if m > GLUON_MIN_M and gluon_supported(fmt, m, k) and not _GLUON_BROKEN:
+    gluon_min_m = GLUON_MIN_M_SHARED_A if k % SS_K_MULTIPLE == 0 else GLUON_MIN_M
+    if m > gluon_min_m and gluon_supported(fmt, m, k) and not _GLUON_BROKEN:
         return default_gluon_config(m, n, k, sms)
     return dot_heuristic_config(fmt, m, n, k, sms)
 

@@ -200,16 +200,19 @@ def test_gemv_matches_reference(m, n, k, cfg):
 
 def test_gemv_is_the_default_for_small_m_and_exact_on_identity():
     """Dispatch: NVFP4 at M = 1 goes to the CUDA-core GEMV (GemvConfig), M = 2..8 to the MMA GEMV when
-    K % 128 == 0, M = 9..47 (and MXFP4) to the wgmma kernel, M >= 48 on a GPU to the Gluon kernel (the
-    interpreter has no Gluon path: the wgmma kernel); x = rows of I reproduce the dequantized weight
-    (fp16 products of exact codes, one bf16 rounding)."""
+    K % 128 == 0, M = 9..32 (and MXFP4) to the wgmma kernel, M >= 33 on a GPU to the Gluon kernel where
+    K % 256 == 0 (shared-A), else from M = 48 (the interpreter has no Gluon path: the wgmma kernel); x =
+    rows of I reproduce the dequantized weight (fp16 products of exact codes, one bf16 rounding)."""
     assert isinstance(heuristic_config("nvfp4", 1, 14336, 4096), GemvConfig)
     for m in (2, 3, 8):
         assert isinstance(heuristic_config("nvfp4", m, 14336, 4096), MmaGemvConfig)
     assert isinstance(heuristic_config("nvfp4", 2, 64, 96), GemmConfig)          # K % 128 != 0
     assert isinstance(heuristic_config("nvfp4", 9, 14336, 4096), GemmConfig)
-    assert isinstance(heuristic_config("nvfp4", 47, 14336, 4096), GemmConfig)
+    assert isinstance(heuristic_config("nvfp4", 32, 14336, 4096), GemmConfig)
     big = GluonGemmConfig if DEVICE == "cuda" else GemmConfig
+    assert isinstance(heuristic_config("nvfp4", 33, 14336, 4096), big)
+    assert isinstance(heuristic_config("nvfp4", 47, 14336, 4224), GemmConfig)   # K % 256 != 0: from 48
+    assert isinstance(heuristic_config("nvfp4", 48, 14336, 4224), big)
     assert isinstance(heuristic_config("nvfp4", 48, 14336, 4096), big)
     assert isinstance(heuristic_config("nvfp4", 128, 14336, 4096), big)
     assert isinstance(heuristic_config("mxfp4", 128, 14336, 4096), GemmConfig)
