@@ -1,16 +1,18 @@
 """Mid-M NVFP4 W4A16 on Hopper wgmma, written in Gluon: y[M, N] = x[M, K] (bf16) @ dequant(W)[N, K]^T for
 M of a few dozen to a few hundred tokens. Two designs live here.
 
-Shared-A (`_w4a16_gluon_ss_kernel`, the default up to 128 tokens when K % 256 == 0): a producer warp
+Shared-A (`_w4a16_gluon_ss_kernel`, the default when K % 256 == 0 up to 128 tokens, and beyond while its
+128-token tiles fit in one wave): a producer warp
 brings the activation tile, the code words and the scales of each 64-wide K step into a ring of shared
 stages by TMA; decoder warpgroups (three by default, each on every third step; they wait for the stage's
 release before its load, see `_ss_decoder`) decode the codes into a bf16 A tile of a second ring
 (A = code * 2^-126 * s * 2^20, exact; bit tricks in `_DECODE_WORD_BF16_ASM`); one MMA warpgroup
 issues shared x shared wgmmas with one left in flight. Decode and MMA are separate warps, so the
 register-A hazard below does not arise, and x enters as it is (bf16, physical K order: no permute pass).
-On the H200: 0.88-0.90x bf16 at M = 128, 0.94-1.13x at M = 48-64 (docs/PERF.md).
+On the H200: 0.89-0.93x bf16 at M = 128, 0.94-1.13x at M = 33-64 (docs/PERF.md). Per SM it matches
+cuBLAS at M = 128; cuBLAS fills 128 SMs with 112-row tiles, which Gluon's power-of-2 shapes rule out.
 
-Register-A (the rest of this docstring; the default above 128 tokens):
+Register-A (the rest of this docstring; the default otherwise above 128 tokens):
 
 Why: the Triton wgmma kernel (w4a16_gemm.py) decodes each FP4 tile into registers, stores it to shared
 memory and feeds the wgmma from there, one K step after another; at M = 128 it reaches 0.52x bf16 cuBLAS on
@@ -18,10 +20,10 @@ an H200. Here the computation is swapped, y^T = W x^T: the decoded weight tile i
 straight from registers (no shared-memory round trip for the weights), and the activations are its B
 operand, streamed by TMA through a ring of shared-memory stages. The default is warp-specialized
 (`_w4a16_gluon_ws_kernel`): a producer warp issues the TMA loads and 2-3 consumer warpgroups of 64 weight
-rows each decode and multiply, so one consumer decodes while another's wgmma runs. A warpgroup waits for its
-own wgmma before decoding again: the compiler does not know that an in-flight wgmma still reads its A
-registers (measured: with one left in flight the next decode overwrote them). On the H200 this gives
-0.70-0.79x bf16 at M = 128 and is the NVFP4 default from M = 48 (docs/PERF.md).
+rows each decode and multiply, so one consumer decodes while another's wgmma runs. Within a consumer,
+`pipelined` configs (the default when K % 256 == 0) decode a second pair of steps while the first pair's
+wgmmas run and wait once per 4 steps: no A register may be carried across the loop while a wgmma can read
+it, or ptxas serializes every wgmma (C7513). 3-7% faster than waiting per pair at M = 256 and 512.
 
 Register A has a fixed hardware layout: in each k16 slice, lane (g, t) of a warp holds K positions
 2t, 2t+1, 2t+8, 2t+9. A K order that the MMA sums over is free as long as A and B agree, so each lane

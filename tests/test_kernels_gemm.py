@@ -503,6 +503,26 @@ def test_gluon_config_choices_and_refusals():
                             torch.empty(32, 64, dtype=torch.bfloat16, device=DEVICE))
 
 
+def test_offline_compile_tool_reads_back_every_bench_name():
+    """tools/compile_gluon_sm90.py takes the bench's config names: every shared-A and warp-specialized
+    candidate's name parses back to the same config (so what is compiled offline is what the bench ran)."""
+    import importlib.util
+    from pathlib import Path
+
+    from megatron_qrl.kernels import w4a16_gluon_gemm as G
+    spec = importlib.util.spec_from_file_location(
+        "compile_gluon_sm90", Path(__file__).resolve().parents[1] / "tools" / "compile_gluon_sm90.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cands = [c for m, n, k in ((64, 14336, 4096), (128, 4096, 7168), (512, 14336, 4096))
+             for c in G.gluon_candidates(m, n, k) if c.decoders or c.ws]
+    assert any(c.pipelined for c in cands) and any(c.decoders for c in cands)
+    for cfg in cands:
+        assert tool.parse_cfg(cfg.short()) == cfg, cfg.short()
+    with pytest.raises(SystemExit, match="expected GS"):
+        tool.parse_cfg("G64x128/s2/sk1/w4")
+
+
 def test_gluon_build_failure_falls_back_to_the_wgmma_kernel(monkeypatch):
     """A library-chosen Gluon config that does not build (another Triton) warns once, runs the Triton
     wgmma kernel with the right result, and takes Gluon out of the defaults; an explicit config still
