@@ -89,6 +89,7 @@ def run_layout(name, layout, scheme, refdir: Path, outdir: Path) -> dict:
     res["loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
     res["logp_after3"] = maxdiff(lp3, ref["logp_after3"])
     res["logp_after3_mean"] = float((lp3 - ref["logp_after3"]).abs().mean())
+    res["update_effect_mean"] = float((ref["logp_after3"] - ref["logp_replay"]).abs().mean())
     if name == "TP2":
         res["sharded_linear"] = sharded_linear_check(trainer.config)
         trainer.save(outdir / "tp2_step3", {"data_position": 3})
