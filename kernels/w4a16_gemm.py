@@ -54,8 +54,8 @@ from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
 from .rounding import _cast_out, _to_bf16
 from .tiling import split_k_for
 from .w4a16_gemv import GemvConfig, gemv_bucket, gemv_candidates, gemv_supported, launch_gemv, make_gemv_config
-from .w4a16_gluon_gemm import GluonGemmConfig, default_gluon_config, gluon_candidates, launch_gluon_gemm
-from .w4a16_gluon_gemm import SS_K_MULTIPLE
+from .w4a16_gluon_gemm import (SS_K_MULTIPLE, GluonGemmConfig, default_gluon_config, gluon_candidates,
+                               launch_gluon_gemm)
 from .w4a16_gluon_gemm import supported as gluon_supported
 from .w4a16_mma_gemv import (MmaGemvConfig, default_mma_gemv_config, launch_mma_gemv, mma_gemv_candidates,
                              mma_gemv_supported)

@@ -58,6 +58,7 @@ from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
 from .w4a16_gemv import _DECODE as _GEMV_WORD_DECODE
 
 STEP_K = 64                     # K per pipeline step: 32 code bytes per weight row
+PIPELINED_K_MULTIPLE = 4 * STEP_K   # a pipelined register-A consumer takes 4 steps per loop trip
 A_PERM = (0, 6, 3, 4, 1, 2, 5)  # [BN, gr, j3, j2, j1, j0, h] -> [BN, h, j2, j1, gr, j3, j0]
 X_SHIFT = 8                     # x enters as fp16(x * 2^-8)
 # acc = sum (code * 2^-14 * s * 2^5) * (x * 2^-8) = y / s_global * 2^-17; prepared gs = s_global * 2^22
@@ -147,7 +148,7 @@ def default_gluon_config(m: int, n: int, k: int, sms: int = 132) -> GluonGemmCon
         sk = _largest_split(tiles, steps, 2 * sms, (1, 2, 4, 8))
         return GluonGemmConfig(128, bm, 2, sk, 8)
     return GluonGemmConfig(128, bm, 6, _largest_split(tiles, steps, sms), 4, ws=True, ctas_per_sm=1,
-                           pipelined=k % SS_K_MULTIPLE == 0)
+                           pipelined=k % PIPELINED_K_MULTIPLE == 0)
 
 
 def _splits(tiles: int, steps: int, sms: int) -> list:
@@ -177,7 +178,8 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list:
         sk = _largest_split(tiles, steps, sms)
         for st in (3, 6):
             out.append(GluonGemmConfig(bn, bm, st, sk, 4, ws=True, ctas_per_sm=1))
-        if k % 256 == 0 and bn == 128:   # consumers that decode a pair while the last one's wgmmas run
+        if k % PIPELINED_K_MULTIPLE == 0 and bn == 128:   # consumers that decode a pair while the last
+            #                                                   pair's wgmmas run
             #                                (192 rows: 3 consumers at 160 registers spill)
             out.append(GluonGemmConfig(bn, bm, 6, sk, 4, ws=True, ctas_per_sm=1, pipelined=True))
     # shared-A (K % 256 == 0): up to 128 tokens per CTA (the MMA warpgroup's accumulators), the rings of
@@ -510,8 +512,8 @@ if HAVE_GLUON:
                 d1 = _decode_a(w_b1, s_b1, 64, a_layout)
                 acc = _ws_issue_pair(i + 2, d0, d1, acc, x_smem, ready, STAGES)
                 acc, c0, c1, d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, c0, c1, d0, d1))
-                _ws_release_pair(i, empty, STAGES, True)
-                _ws_release_pair(i + 2, empty, STAGES, True)
+                _ws_release_pair(i, empty, STAGES)
+                _ws_release_pair(i + 2, empty, STAGES)
                 w_b0, s_b0 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 6, t_end)
                 w_b1, s_b1 = _load_step(w_ptr, s_ptr, w_off, s_off, t_begin + i + 7, t_end)
         else:
@@ -537,25 +539,19 @@ if HAVE_GLUON:
         return warpgroup_mma(a1, x_smem.index(st1).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
-    def _ws_release_pair(i, empty, STAGES: gl.constexpr, pred):
-        """This consumer is done with the activation stages of steps i and i + 1 (i >= -2)."""
-        mbarrier.arrive(empty.index((i + STAGES) % STAGES), count=1, pred=pred)
-        mbarrier.arrive(empty.index((i + 1 + STAGES) % STAGES), count=1, pred=pred)
+    def _ws_release_pair(i, empty, STAGES: gl.constexpr):
+        """This consumer is done with the activation stages of steps i and i + 1."""
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
+        mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
 
     @gluon.jit
     def _ws_pair(i, w0, s0, w1, s1, acc, x_smem, ready, empty, STAGES: gl.constexpr, a_layout: gl.constexpr):
         """Steps i and i + 1: decode both, two wgmma batches, one wait, release both stages."""
         a0 = _decode_a(w0, s0, 64, a_layout)
         a1 = _decode_a(w1, s1, 64, a_layout)
-        st0 = i % STAGES
-        st1 = (i + 1) % STAGES
-        mbarrier.wait(ready.index(st0), (i // STAGES) & 1)
-        acc = warpgroup_mma(a0, x_smem.index(st0).permute((1, 0)), acc, is_async=True)
-        mbarrier.wait(ready.index(st1), ((i + 1) // STAGES) & 1)
-        acc = warpgroup_mma(a1, x_smem.index(st1).permute((1, 0)), acc, is_async=True)
+        acc = _ws_issue_pair(i, a0, a1, acc, x_smem, ready, STAGES)
         acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))    # see _mma_step
-        mbarrier.arrive(empty.index(st0), count=1)
-        mbarrier.arrive(empty.index(st1), count=1)
+        _ws_release_pair(i, empty, STAGES)
         return acc
 
     @gluon.jit
@@ -920,7 +916,7 @@ def ws_launch_args(cfg: GluonGemmConfig, xp: torch.Tensor, words: torch.Tensor, 
     if k % 128:
         raise ValueError(f"the warp-specialized Gluon kernel needs K % 128 == 0 (got K = {k}); use a "
                          f"GluonGemmConfig with ws=False")
-    if cfg.pipelined and (cfg.stages < 4 or k % 256):
+    if cfg.pipelined and (cfg.stages < 4 or k % PIPELINED_K_MULTIPLE):
         raise ValueError(f"{cfg.short()}: a pipelined consumer takes 4 steps (two pairs of activation "
                          f"stages) at a time; it needs stages >= 4 and K % 256 == 0 (got K = {k})")
     consumers = cfg.block_n // 64

@@ -1,6 +1,7 @@
-"""Compile the Gluon W4A16 kernels (shared-A, warp-specialized register-A) for sm_90a on a machine without a GPU, and report what ptxas
-made of it: registers, spills (local loads/stores in the SASS), shared memory. Why: device time is short,
-and a config that spills or does not fit is known before a GPU call.
+"""Compile the Gluon W4A16 kernels (shared-A, warp-specialized register-A) for sm_90a without a GPU.
+
+Reports what ptxas made of a config: registers, spills (local loads/stores in the SASS), shared memory.
+Why: device time is short, and a config that spills or does not fit is known before a GPU call.
 
 Needs Triton 3.6 (the GPU image's; its ptxas and cuobjdump come with the wheel) in the running Python:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0
@@ -79,7 +80,8 @@ def regs_of(kernel) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cfg", action="append", required=True, help="e.g. GS128x128/s6a5/sk1/d3 or GW128x128/s6/sk1/c1/p (repeatable)")
+    ap.add_argument("--cfg", action="append", required=True,
+                    help="e.g. GS128x128/s6a5/sk1/d3 or GW128x128/s6/sk1/c1/p (repeatable)")
     ap.add_argument("--shape", default="128,14336,4096", help="M,N,K")
     ap.add_argument("--dump", default="", help="write ptx and sass per config here")
     a = ap.parse_args(argv)
