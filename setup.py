@@ -27,6 +27,8 @@ setup(
         "rich>=13",
         "safetensors>=0.4",
         "einops>=0.7",
+        # megatron-core 0.19 imports triton at import time (moe/ops/paged_stash.py), on CPU too
+        "triton>=3.6",
         f"{MEGATRON}; python_version>='3.12'",
     ],
     extras_require={
