@@ -96,6 +96,11 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     max_batch_size: int = Field(256, ge=1, description="continuous batching: concurrent sequences")
+    decode: Literal["auto", "graphs", "static", "eager"] = Field(
+        "auto", description="embedded engine decode path: auto = CUDA graphs of the static decode step on a GPU "
+        "(eager Megatron steps otherwise), graphs, static (the same step without graphs), eager (the reference)")
+    decode_window: int = Field(16, ge=1, description="graph decode: steps between host checks (finished rows, "
+                               "admission of waiting prompts)")
     max_generate_retries: int = Field(2, ge=0, description="engine failures per step: restart the engine, "
                                       "re-sync weights and retry the batch this many times, then stop")
     seed: int = 0
