@@ -31,6 +31,18 @@ class LoaderParam(torch.nn.Parameter):
         return self._weight_loader
 
 
+def copy_or_rebind_param(layer, name, value):
+    """As the release's helper: copy into an existing Parameter of the same shape/dtype, else rebind its .data."""
+    param = getattr(layer, name, None)
+    if isinstance(param, torch.nn.Parameter):
+        if param.shape == value.shape and param.dtype == value.dtype:
+            param.data.copy_(value)
+        else:
+            param.data = value
+    else:
+        setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+
+
 def swizzle(t):
     """Stand-in for a kernel layout: reverses each row (applying it twice restores the input: not idempotent)."""
     return t.flip(-1)
@@ -57,6 +69,10 @@ class ModelOptFp4LinearMethod:
         self.processed.append(layer.prefix)
         layer.alpha = torch.nn.Parameter(layer.input_scale.max() * layer.weight_scale_2.max(), requires_grad=False)
         if self.backend == "marlin":  # new Parameters in another layout; the loaders are gone
+            # the release's copy_or_rebind_param: on a second run it rebinds .data of the installed object
+            copy_or_rebind_param(layer, "weight_global_scale", layer.weight_scale_2.max())
+            layer.weight_global_scale = torch.nn.Parameter(layer.weight_global_scale.data.to(torch.bfloat16)
+                                                           .reshape(1), requires_grad=False)
             layer.weight = torch.nn.Parameter(layer.weight.data.T.contiguous().view(torch.int32), requires_grad=False)
             layer.weight_scale = torch.nn.Parameter(layer.weight_scale.data.T.contiguous(), requires_grad=False)
         else:  # swizzled scales written into the same storage, aliased under a second name

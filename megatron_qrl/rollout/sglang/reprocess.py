@@ -49,6 +49,24 @@ def tensor_attributes(module) -> dict[str, torch.Tensor]:
     return out
 
 
+def snapshot(module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (tensor object, its data): re-processing may rebind `.data` of an installed object in place (the
+    release's copy_or_rebind_param does when shapes differ), so the storage is remembered separately."""
+    return {n: (t, t.data) for n, t in tensor_attributes(module).items()}
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same memory, shape and dtype (`param.data` returns a new tensor object on every access)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+
+
+def put_back(module, name: str, obj: torch.Tensor, data: torch.Tensor) -> None:
+    """Bind `obj` under `name` again, holding its original storage."""
+    if not same_view(obj.data, data):
+        obj.data = data
+    bind(module, name, obj)
+
+
 def bind(module, name: str, tensor: torch.Tensor) -> None:
     """setattr that also works when a plain tensor goes back where a Parameter is registered (or vice versa)."""
     if not isinstance(tensor, torch.nn.Parameter) and name in module._parameters:
@@ -97,7 +115,7 @@ class ReprocessSession:
             if layout is not None:
                 self.layers[id(module)] = (name, module, layout)
         self.touched: list[object] = []
-        self.installed: dict[int, dict[str, torch.Tensor]] = {}
+        self.installed: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.read_only_values: dict[int, dict[str, torch.Tensor]] = {}  # small scales, to undo a failed update
         self.shims: dict[int, list[tuple[str, object, str, object]]] = {}
         for _, module, layout in self.layers.values():
@@ -143,21 +161,20 @@ class ReprocessSession:
 
     def _restore(self, module) -> None:
         name, _, layout = self.layers[id(module)]
-        installed = tensor_attributes(module)
+        installed = snapshot(module)
         # read-only parameters stay in use with their own loaders; the set-aside rewritten ones keep forwarding
         # (the release's load_weights looks parameters up once per call, so later writes in this call reach them)
         self._unshim(module, layout.read_only)
-        loader = next((weight_loader(installed[s]) for s in layout.read_only
-                       if s in installed and weight_loader(installed[s]) is not None), None)
+        loader = next((weight_loader(installed[s][0]) for s in layout.read_only
+                       if s in installed and weight_loader(installed[s][0]) is not None), None)
         if loader is None:
             raise RuntimeError(f"FP4 reload: no read-only parameter of {name} ({layout.read_only}) carries the "
                                "layer's weight_loader")
         module.quant_method.create_weights(**layout.create_weights_kwargs(module, loader))
         for slot in layout.read_only:
             if slot in installed:
-                bind(module, slot, installed[slot])
-        self.read_only_values[id(module)] = {s: installed[s].detach().clone() for s in layout.read_only
-                                             if s in installed}
+                put_back(module, slot, *installed[slot])
+        self.read_only_values[id(module)] = {s: installed[s][1].clone() for s in layout.read_only if s in installed}
         for slot in layout.complete:
             fill_not_written(getattr(module, slot).data)
         self.installed[id(module)] = installed
@@ -178,10 +195,10 @@ class ReprocessSession:
             installed = self.installed.pop(id(module))
             read_only = self.read_only_values.pop(id(module))
             if lacks:
-                for slot, tensor in installed.items():
-                    bind(module, slot, tensor)
+                for slot, (obj, data) in installed.items():
+                    put_back(module, slot, obj, data)
                 for slot, value in read_only.items():
-                    installed[slot].data.copy_(value)
+                    installed[slot][1].copy_(value)
                 incomplete.append(name)
                 continue
             module.quant_method.process_weights_after_loading(module)
@@ -197,17 +214,19 @@ class ReprocessSession:
         return done
 
     @staticmethod
-    def _reinstall(name: str, module, installed: dict[str, torch.Tensor]) -> None:
-        produced = tensor_attributes(module)
+    def _reinstall(name: str, module, installed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy every produced tensor into the storage installed under its name and bind that back."""
+        produced = {n: t.data for n, t in tensor_attributes(module).items()}
         for slot, new in produced.items():
-            old = installed.get(slot)
-            if old is None or old is new:
+            if slot not in installed:
                 continue
-            if old.shape != new.shape or old.dtype != new.dtype:
-                raise Fp4LayoutChanged(f"{name}.{slot}: re-processing produced {tuple(new.shape)} {new.dtype}, the "
-                                       f"installed tensor is {tuple(old.shape)} {old.dtype}")
-            old.data.copy_(new.data)
-            bind(module, slot, old)
+            obj, data = installed[slot]
+            if not same_view(new, data):
+                if data.shape != new.shape or data.dtype != new.dtype:
+                    raise Fp4LayoutChanged(f"{name}.{slot}: re-processing produced {tuple(new.shape)} {new.dtype}, "
+                                           f"the installed tensor is {tuple(data.shape)} {data.dtype}")
+                data.copy_(new)
+            put_back(module, slot, obj, data)
 
 
 def open_session(model, layout_of: Callable = layout_of) -> ReprocessSession:
