@@ -394,7 +394,32 @@ def test_the_gpu_smoke_script_parses_its_arguments():
 
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "tools/sglang_smoke.py", "--help"], cwd=root, capture_output=True, text=True)
-    assert r.returncode == 0 and "--model-path" in r.stdout, r.stderr
+    assert r.returncode == 0 and "--model-path" in r.stdout and "--num-layers" in r.stdout, r.stderr
+
+
+def test_the_smoke_script_syncs_whole_layers_of_the_checkpoint(tmp_path):
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("sglang_smoke", Path(__file__).resolve().parents[1] / "tools"
+                                                  / "sglang_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    tensors = {}
+    for layer in (0, 1):
+        for base in ("self_attn.q_proj", "self_attn.k_proj", "mlp.experts.0.down_proj", "mlp.experts.1.up_proj"):
+            b = f"model.layers.{layer}.{base}"
+            tensors.update({b + ".weight": torch.zeros(64, 16, dtype=torch.uint8),
+                            b + ".weight_scale": torch.zeros(64, 2, dtype=torch.float8_e4m3fn),
+                            b + ".weight_scale_2": torch.ones(())})
+        tensors[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(32)
+    save_file(dict(list(tensors.items())[:20]), str(tmp_path / "model-1.safetensors"))  # layers span two shards
+    save_file(dict(list(tensors.items())[20:]), str(tmp_path / "model-2.safetensors"))
+    picked = smoke.checkpoint_fp4_layers(tmp_path, 1)
+    assert sorted(picked) == sorted(f"model.layers.0.{b}.weight" for b in (
+        "self_attn.q_proj", "self_attn.k_proj", "mlp.experts.0.down_proj", "mlp.experts.1.up_proj"))
+    assert len(smoke.checkpoint_fp4_layers(tmp_path, 2)) == 8
 
 
 def test_disaggregated_audit_compares_versions_and_checksums_across_servers():

@@ -74,8 +74,12 @@ def rebound(fn, owner="layer") -> set[str]:
     """Attribute names of `owner` that fn assigns, deletes or rebinds through the release's helpers."""
     out = set()
     for n in ast.walk(fn):
-        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) \
-            else n.targets if isinstance(n, ast.Delete) else []
+        if isinstance(n, (ast.Assign, ast.Delete)):
+            targets = n.targets
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)):
+            targets = [n.target]
+        else:
+            targets = []
         for t in targets:
             if isinstance(t, ast.Attribute) and t.attr == "data":
                 t = t.value
@@ -85,7 +89,8 @@ def rebound(fn, owner="layer") -> set[str]:
                                                                "replace_parameter", "setattr"):
             if len(n.args) >= 2 and isinstance(n.args[1], ast.Constant):
                 out.add(n.args[1].value)
-        if isinstance(n, ast.Call) and ast.unparse(n.func) == "alias_or_bind_derived_param" and len(n.args) >= 3:
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "alias_or_bind_derived_param" and len(n.args) >= 3 \
+                and isinstance(n.args[2], ast.Constant):
             out.add(n.args[2].value)
     return out
 
@@ -261,7 +266,8 @@ def test_every_fp4_tensor_our_name_map_produces_lands_in_a_layer_the_reload_cove
                        if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("experts.")}
     constructed = {ast.unparse(n.targets[0]).removeprefix("self."): ast.unparse(n.value.func)
                    for n in ast.walk(qwen) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-                   and any(k.arg == "quant_config" and ast.unparse(k.value) == "quant_config" for k in n.value.keywords)}
+                   and any(k.arg == "quant_config" and ast.unparse(k.value) == "quant_config"
+                           for k in n.value.keywords)}
     assert constructed["qkv_proj"] == "QKVParallelLinear" and constructed["o_proj"] == "RowParallelLinear"
     assert constructed["experts"] == "get_moe_impl_class(quant_config)"
     linear = tree(release, "srt/layers/linear.py")

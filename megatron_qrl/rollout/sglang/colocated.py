@@ -2,8 +2,9 @@
 
 The Engine is built lazily on first use (importing this module never imports SGLang). Weights go in
 with `update_weights_from_tensor` (CUDA tensors handed over by IPC handles, one call per bucket, the
-KV/radix cache flushed after the last; FP4 updates framed by the reload loaders); the trainer's turn frees the engine's memory with
-`release_memory_occupation` (needs ServerArgs.enable_memory_saver, which launch_args sets).
+KV/radix cache flushed after the last; FP4 updates framed by the reload loaders, custom_loader.py); the
+trainer's turn frees the engine's memory with `release_memory_occupation` (needs
+ServerArgs.enable_memory_saver, which launch_args sets).
 """
 from __future__ import annotations
 
