@@ -146,6 +146,9 @@ def test_the_custom_weight_loader_hook_has_the_name_and_call_the_loaders_rely_on
     assert "custom_weight_loader" not in ast.unparse(function(class_node(tree(release, MODEL_RUNNER), "ModelRunner"),
                                                               "update_weights_from_distributed"))
     assert "recv_req.serialized_named_tensors[self.tp_rank]" in release.read("srt/managers/tp_worker.py")
+    # what the loaders call on the model: load_weights(list of (name, tensor)) for tensors sent with a framing call
+    load = function(class_node(tree(release, "srt/models/qwen3_moe.py"), "Qwen3MoeForCausalLM"), "load_weights")
+    assert params(load)[:2] == ["self", "weights"] and load.args.defaults  # is_mtp has a default
     common = release.read("srt/utils/common.py")
     assert "pybase64.b64decode(data, validate=True)" in common and "class SafeUnpickler" in common
 
