@@ -146,21 +146,21 @@ class CallOutputs:
         self.dtypes = {(layer, role, name): dt for layer, roles in shapes.trace.items()
                        for role, fields in roles.items() for name, (_, dt) in fields.items()}
 
-    def scatter_window(self, st: DecodeState, B: int) -> None:
-        """Ring of the last window (rows < B) -> the sequences' buffers; no host synchronisation."""
-        seq, n = st.r_seq[:B].reshape(-1), st.r_n[:B].reshape(-1)
+    def scatter_window(self, st: DecodeState, B: int, steps: int) -> None:
+        """The last window's `steps` ring columns (rows < B) -> the sequences' buffers; no host sync."""
+        seq, n = st.r_seq[:B, :steps].reshape(-1), st.r_n[:B, :steps].reshape(-1)
         valid = seq >= 0
         si = torch.where(valid, seq, torch.full_like(seq, self.S))
-        self.tokens[si, torch.where(valid, n, torch.full_like(n, self.N))] = st.r_tokens[:B].reshape(-1)
-        self.logp[si, torch.where(valid, n, torch.full_like(n, self.N))] = st.r_logp[:B].reshape(-1)
+        self.tokens[si, torch.where(valid, n, torch.full_like(n, self.N))] = st.r_tokens[:B, :steps].reshape(-1)
+        self.logp[si, torch.where(valid, n, torch.full_like(n, self.N))] = st.r_logp[:B, :steps].reshape(-1)
         ri = torch.where(valid, n - 1, torch.full_like(n, self.N - 1))          # decode record index
         if self.routed is not None:
-            self.routed[si, ri] = st.r_routed[:B].reshape(-1, *st.r_routed.shape[2:])
+            self.routed[si, ri] = st.r_routed[:B, :steps].reshape(-1, *st.r_routed.shape[2:])
         for layer, roles in self.trace.items():
             for role, fields in roles.items():
                 for name, buf in fields.items():
                     ring = st.r_trace[layer][role][name]
-                    buf[si, ri] = ring[:B].reshape(-1, *ring.shape[2:])
+                    buf[si, ri] = ring[:B, :steps].reshape(-1, *ring.shape[2:])
 
 
 class DecodeGraphs:
@@ -274,27 +274,29 @@ class GraphDecodeLoop:
         keys = stream_keys(sampling.seed, torch.arange(S) + sampling.index_offset).to(dev)
         records = RolloutRecords(eng.routing.layers, eng.format, eng.keep_codes)
         row_seq = [-1] * st.rows                       # host mirror of state.seq
+        row_gen = [0] * st.rows                        # tokens each row had generated at the last host check
         finished: dict[int, tuple[int, int]] = {}      # seq -> (tokens, reason)
         waiting = list(range(S))
-        bucket = 0
         while waiting or any(s >= 0 for s in row_seq):
-            self._admit(prompts, waiting, row_seq, finished, records, keys, out, sampling)
+            self._admit(prompts, waiting, row_seq, row_gen, finished, records, keys, out, sampling)
             used = max((r + 1 for r, s in enumerate(row_seq) if s >= 0), default=0)
             if used == 0:
                 continue
             bucket = next(b for b in self.buckets if b >= used)
-            for _ in range(self.window):
+            # no replay past the step where every row in use has reached max_new_tokens
+            steps = min(self.window, max(N - row_gen[r] for r, s in enumerate(row_seq) if s >= 0))
+            for _ in range(steps):
                 self.graphs.run(bucket, sampling)
-            self.stats["replays"] += self.window
+            self.stats["replays"] += steps
             self.stats["windows"] += 1
-            out.scatter_window(st, bucket)
+            out.scatter_window(st, bucket, steps)
             st.t.zero_()
-            self._retire(bucket, row_seq, finished)
-            self._compact(row_seq)
+            self._retire(bucket, row_seq, row_gen, finished)
+            self._compact(row_seq, row_gen)
         eng.stats["steps"] += self.stats["replays"]
         return self._samples(prompts, out, finished, records, sampling)
 
-    def _admit(self, prompts, waiting, row_seq, finished, records, keys, out, sampling) -> None:
+    def _admit(self, prompts, waiting, row_seq, row_gen, finished, records, keys, out, sampling) -> None:
         """Prefill as many waiting prompts as free rows and KV slots allow; start their rows."""
         eng, st, dev = self.engine, self.state, self.engine.device
         free_rows = [r for r, s in enumerate(row_seq) if s < 0]
@@ -340,7 +342,7 @@ class GraphDecodeLoop:
             row = free_rows[len(start_rows)]
             start_rows.append(row)
             start_seqs.append(s)
-            row_seq[row] = s
+            row_seq[row], row_gen[row] = s, 1
         if not start_rows:
             return
         r = torch.tensor(start_rows, device=dev)
@@ -354,13 +356,14 @@ class GraphDecodeLoop:
         st.reason[r] = RUNNING
         st.active[r] = True
 
-    def _retire(self, B: int, row_seq, finished) -> None:
+    def _retire(self, B: int, row_seq, row_gen, finished) -> None:
         """Read which rows finished (one small device->host copy) and free their rows and slots."""
         st, eng = self.state, self.engine
         snap = torch.stack([st.active[:B].long(), st.reason[:B], st.n_gen[:B], st.slots[:B]]).cpu().tolist()
         done = []
         for r in range(B):
             s = row_seq[r]
+            row_gen[r] = snap[2][r]
             if s >= 0 and not snap[0][r]:
                 finished[s] = (snap[2][r], snap[1][r])
                 eng.cache.free_slot(snap[3][r])
@@ -371,7 +374,7 @@ class GraphDecodeLoop:
             st.seq[d] = -1
             st.slots[d] = st.scratch
 
-    def _compact(self, row_seq) -> None:
+    def _compact(self, row_seq, row_gen) -> None:
         """Move the rows in use to the front when that lets a smaller bucket serve them."""
         used = [r for r, s in enumerate(row_seq) if s >= 0]
         if not used:
@@ -381,8 +384,9 @@ class GraphDecodeLoop:
             return
         order = torch.tensor(used + [r for r in range(self.state.rows) if row_seq[r] < 0], device=self.engine.device)
         self.state.permute(order, len(used))
-        seqs = [row_seq[r] for r in used]
+        seqs, gens = [row_seq[r] for r in used], [row_gen[r] for r in used]
         row_seq[:] = seqs + [-1] * (len(row_seq) - len(seqs))
+        row_gen[:] = gens + [0] * (len(row_gen) - len(gens))
 
     # -------------------------------------------------------------------------------- the samples
     def _samples(self, prompts, out: CallOutputs, finished, records: RolloutRecords,
