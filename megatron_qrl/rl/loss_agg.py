@@ -32,7 +32,7 @@ def count_loss_sequences(mask: torch.Tensor, group=None) -> int:
 
 
 def token_coefficients(mask: torch.Tensor, mode: str, num_tokens_global: float, num_sequences_global: float,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """c_t [B, T] for a (micro-)batch: 0 off the mask, else 1/N_tok, 1/(n_i N_seq) or 1/N_seq."""
     check_mode(mode)
     valid = mask.detach().ne(0).to(dtype)
