@@ -123,7 +123,8 @@ class DynamicSamplingConfig(_Section):
     """DAPO dynamic sampling: prompt groups whose rewards are all equal have zero advantage and carry no gradient;
     they are dropped and more prompts are generated until the batch holds rollout.prompts_per_step groups."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="DAPO dynamic sampling: drop prompt groups whose rewards are all "
+                          "equal and generate more prompts to refill the batch (docs/rl.md)")
     max_generate_calls: int = Field(4, ge=1, description="generate calls per step at most (the first included); "
                                     "then the step trains on the groups kept so far")
 
@@ -135,7 +136,8 @@ _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 class RLConfig(_Section):
     """GRPO, the rollout/train mismatch correction, KL to a reference, DAPO options (METHODS.md 4, 7, 8)."""
 
-    is_method: Literal["none", "tis", "mis", "icepop", "ais"] = "ais"
+    is_method: Literal["none", "tis", "mis", "icepop", "ais"] = Field(
+        "ais", description="rollout/train mismatch correction: none, tis, mis, icepop or ais")
     is_level: Literal["token", "seq", "geo"] = Field(
         "token", description="unit of the IS correction: token; seq = response with the product of its token "
         "ratios; geo = response with their geometric mean")
