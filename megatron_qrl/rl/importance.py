@@ -101,8 +101,6 @@ def ais_alpha(wbar: torch.Tensor, absdiff: torch.Tensor, adv: torch.Tensor, vali
             "ais/alpha_var": alpha_var, "ais/cv": cv, "ais/dsigma": dsigma, "ais/dbar": dbar}
 
 
-
-
 def is_level(cfg: Any, method: str) -> str:
     """The unit level of the correction: rl.is_level; the deprecated rl.mis_level=sequence means geo for mis."""
     level = str(cfg_get(cfg, "is_level"))
