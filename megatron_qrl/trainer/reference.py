@@ -88,12 +88,12 @@ class ReferencePolicy:
         from megatron_qrl.models import weights_changed
 
         tensors = _everything(trainer)
-        with torch.no_grad():
-            stash = [t.detach().clone() for _, t in tensors]
+        with torch.no_grad():   # in CPU memory: at start-up the device may hold a colocated engine too
+            stash = [t.detach().to("cpu", copy=True) for _, t in tensors]
         try:
             load_model_weights(trainer, path)
             frozen = [name for (name, t), old in zip(tensors, stash)
-                      if not getattr(t, "requires_grad", False) and not torch.equal(t, old)]
+                      if not getattr(t, "requires_grad", False) and not torch.equal(t.cpu(), old)]
             if frozen:
                 raise ValueError(f"reference checkpoint '{path}' has other frozen weights than this run "
                                  f"({len(frozen)} tensors, e.g. {frozen[0]}): the reference may differ from the "
