@@ -201,14 +201,15 @@ def check_job(cfg, world_size: int) -> None:
     cfg.check_world_size(Placement.from_config(cfg, world_size).num_trainers)
 
 
-def generate_shard(s: RunSetup, prompts: list, step: int):
+def generate_shard(s: RunSetup, prompts: list, step: int, first_index: int = 0):
     """Colocated: each rank's engine generates a contiguous share of the prompt groups (the same shares,
-    seeds and sample indices as that many disaggregated engines); all ranks get all."""
+    seeds and sample indices as that many disaggregated engines); all ranks get all. Sample indices start
+    at first_index (a step's later generate calls draw fresh seeds)."""
     G = s.cfg.rollout.group_size
     rank, world = dist.get_rank(), dist.get_world_size()
     first, stop = engine_share(len(prompts), rank, world)
     samples = [p for p in prompts[first:stop] for _ in range(G)]
-    sampling = s.sampling(step, index_offset=first * G)
+    sampling = s.sampling(step, index_offset=first_index + first * G)
     rollouts = s.guard.generate(encode_prompts(s.tokenizer, samples), sampling, step)  # restarts a failed engine
     if world > 1:
         parts: list = [None] * world
@@ -227,7 +228,10 @@ def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Ten
     if batch.r3_mask is not None:
         out["r3_mask"] = batch.r3_mask
     if logp_old is not None:
-        out.update(logp_old=logp_old, advantages=batch.advantages, is_weights=weights)
+        out.update(logp_old=logp_old, advantages=batch.advantages, is_weights=weights,
+                   num_loss_sequences=float((batch.loss_mask.sum(-1) > 0).sum()))   # rl.loss_agg_mode
+        if batch.logp_ref is not None:
+            out["logp_ref"] = batch.logp_ref   # rl.kl_mode=loss
     return out
 
 
