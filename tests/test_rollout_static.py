@@ -271,3 +271,27 @@ def test_cache_decode_attention_kernel_matches_reference():
         ref = cache_decode_attention_reference(q, keys, values, slots, lens, 0.2)
         err = float((out.float() - ref.float()).norm() / ref.float().norm())
         assert out.dtype == dtype and err < (1e-6 if dtype == torch.float32 else 1e-2), err
+
+
+def test_grouped_bf16_experts_match_megatron_experts(source_model):
+    """torch._grouped_mm over the stacked experts (the GPU graph path of BF16 engines) equals the model's own
+    experts; the experts' parameters become views of the stack, so weight updates reach it."""
+    from megatron_qrl.rollout.decode_experts import GroupedBF16Experts, MegatronExperts
+
+    eng = engine(source_model, "static", weights="bf16")
+    mlp = eng.model.decoder.layers[1].mlp.experts
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 64, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    probs = torch.softmax(torch.randn(6, 2, generator=g), -1)
+    active = torch.ones(6, dtype=torch.bool)
+    ref, _ = MegatronExperts(mlp, False, False)(x, ids, probs, active)
+    grouped = GroupedBF16Experts(mlp)
+    out, cap = grouped(x, ids, probs, active)
+    assert cap is None and torch.allclose(out, ref, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        mlp.local_experts[2].linear_fc2.weight.mul_(2.0)         # an in-place update of one expert
+    assert torch.equal(grouped.w2[2], mlp.local_experts[2].linear_fc2.weight)
+    moved, _ = grouped(x, ids, probs, active)
+    assert torch.allclose(moved, MegatronExperts(mlp, False, False)(x, ids, probs, active)[0], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(moved, out)

@@ -58,6 +58,7 @@ def _parse(argv):
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--engines", default="fp4,bf16,hf")
+    p.add_argument("--eager-batches", default="1,16", help="batches for the eager engines (slow at large B)")
     p.add_argument("--overheads", type=int, default=0, help="batch for the TRACE and sampling overheads (0: off)")
     p.add_argument("--check", type=int, default=0, help="batch for the graph-vs-eager checks (0: off)")
     p.add_argument("--hbm-tbs", type=float, default=4.0, help="bandwidth of the HBM floor (TB/s)")
@@ -71,6 +72,7 @@ def _parse(argv):
             setattr(a, k, v)
     a.layers = [int(x) for x in str(a.layers).split(",") if x]
     a.batches = [int(b) for b in str(a.batches).split(",") if b]
+    a.eager_batches = [int(b) for b in str(a.eager_batches).split(",") if b]
     a.engines = [s.strip() for s in a.engines.split(",") if s.strip()]
     bad = [s for s in a.engines if s not in ENGINES and s != "hf"]
     if bad:
@@ -297,6 +299,8 @@ def run(a) -> dict:
             eng = build_engine(a, layers, name, max(a.batches))
             res["decode"][name] = eng.decode_mode
             for b in a.batches:
+                if eng.decode_mode == "eager" and b not in a.eager_batches:
+                    continue
                 ps = prompts_for(a, vocab, b, g)
                 med, rates = decode_rate(lambda p, n, eng=eng: time_engine(eng, p, n), ps, a)
                 res["rates"].setdefault(key, {}).setdefault(name, {})[b] = med
@@ -304,6 +308,8 @@ def run(a) -> dict:
                 print(f"[bench] {layers} layers B={b} {name}: {med:.1f} tok/s {[round(r, 1) for r in rates]}",
                       file=sys.stderr, flush=True)
                 write_json(res, a.json)
+            res.setdefault("health", {})[f"{layers}:{name}"] = {k: v for k, v in eng.health().items()
+                                                                if k in ("decode", "graphs_captured", "graph_failure")}
             if name == "fp4" and a.overheads and layers == a.layers[0]:
                 ps = prompts_for(a, vocab, a.overheads, g)
                 greedy, _ = decode_rate(lambda p, n: time_engine(eng, p, n), ps, a)
@@ -370,12 +376,15 @@ def table(res: dict) -> str:
                   + " | ".join(f"{x}/{y}" for x, y in ratio) + " | fp4 step ms | HBM floor ms | step/floor |",
                   "|---" * (4 + len(cols) + len(ratio)) + "|"]
         for b in res["batches"]:
-            row = [str(b)] + [f"{rates[c].get(b, float('nan')):.1f}" for c in cols]
-            row += [f"{rates[x][b] / rates[y][b]:.2f}x" for x, y in ratio]
+            nan = float("nan")
+            row = [str(b)] + [f"{rates[c].get(b, nan):.1f}" for c in cols]
+            row += [f"{rates[x].get(b, nan) / rates[y].get(b, nan):.2f}x" for x, y in ratio]
             floor = res["floor_ms"][layers][b]["fp4"]
-            step = b / rates["fp4"][b] * 1e3 if "fp4" in rates else float("nan")
+            step = b / rates["fp4"][b] * 1e3 if b in rates.get("fp4", {}) else nan
             row += [f"{step:.2f}", f"{floor:.2f}", f"{step / floor:.2f}x"]
             lines.append("| " + " | ".join(row) + " |")
+    if res.get("health"):
+        lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
     if res["overheads"]:
         lines += ["", "overheads: " + "; ".join(f"{k}: {v}" for k, v in res["overheads"].items())]
     if res["checks"]:

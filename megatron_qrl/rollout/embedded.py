@@ -315,5 +315,6 @@ class EmbeddedEngine:
             "max_batch_size": self.max_batch_size, "trace_layers": list(self.trace_layers),
             "fp4_kernels": self.kernels is not None, "decode": self.decode_mode,
             "graphs_captured": self._static_loop.graphs.captures if self._static_loop is not None else 0,
+            "graph_failure": self._static_loop.graphs.failure if self._static_loop is not None else None,
             **self.stats,
         }

@@ -176,6 +176,7 @@ class DecodeGraphs:
         self.graphs: dict = {}
         self.pool = None
         self.captures = 0
+        self.failure: Optional[str] = None   # why capture failed; the step then runs eagerly (logged once)
 
     def run(self, bucket: int, params: SamplingParams) -> None:
         if not self.enabled:
@@ -184,7 +185,16 @@ class DecodeGraphs:
         key = (bucket, params.temperature, params.top_k, params.top_p)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = self._capture(bucket, params)
+            try:
+                graph = self.graphs[key] = self._capture(bucket, params)
+            except Exception as e:   # noqa: BLE001 - a step that cannot be captured still decodes, slower
+                self.failure = f"{type(e).__name__}: {e}"
+                self.enabled = False
+                _log.warning("rollout: CUDA graph capture failed, decoding without graphs: %s", self.failure,
+                             exc_info=True)
+                torch.cuda.synchronize()
+                self.step(bucket, params)
+                return
         graph.replay()
 
     def _capture(self, bucket: int, params: SamplingParams):
