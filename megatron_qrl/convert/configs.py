@@ -41,6 +41,7 @@ def conversion_config(checkpoint_fields: dict, source: str, config_path: Optiona
     """
     user = _user_data(config_path, overrides)
     user_model = user.get("model") or {}
+    user_model.pop("hf_path", None)   # a run recipe's model directory: the conversion's source is explicit
     fixed = set(fixed)
     conflicts = [f"model.{k}: {source} has {checkpoint_fields[k]!r}, your config/overrides say {user_model[k]!r}"
                  for k in sorted(fixed) if k in user_model and k in checkpoint_fields
@@ -77,6 +78,7 @@ def config_from_manifest(manifest: dict, source: str, config_path: Optional[str]
     from .qwen3_moe import DERIVED_FIELDS
 
     fields = dict(manifest.get("model") or {})
+    fields.pop("hf_path", None)   # the manifest holds the resolved fields; the directory may have moved
     if not fields:
         raise ConvertError(f"{source} has no model config; it was not written by Trainer.save or qrl convert")
     return conversion_config(fields, source, config_path, overrides, defaults={"quant": manifest.get("quant") or {}},

@@ -48,6 +48,11 @@ def checkpoint_config(checkpoint: str | Path, config: Optional[str] = None, over
     return cfg
 
 
+def trained_from(checkpoint: str | Path) -> Optional[str]:
+    """The model.hf_path a training run's checkpoint started from (its config, tokenizer), if any."""
+    return (manifest_of(Path(checkpoint).absolute()).get("model") or {}).get("hf_path")
+
+
 def load_checkpoint_model(checkpoint: str | Path, cfg=None):
     """(run config, unsharded model with the checkpoint's weights), in fp32 (exact for bf16 checkpoints)."""
     cfg = cfg or checkpoint_config(checkpoint)
@@ -81,7 +86,7 @@ def mcore_to_hf(src: str | Path, dst: str | Path, hf_config: Optional[str] = Non
     src, dst = Path(src).absolute(), require_new_output(dst)
     dtype = dtype_name(dtype)
     cfg = checkpoint_config(src)
-    base, side_dir = output_config(src, cfg.model, hf_config)
+    base, side_dir = output_config(src, cfg.model, hf_config, trained_from(src))
     source_dtype = DTYPE_ALIASES.get(config_dtype(base), config_dtype(base))
     out_dtype = dtype or (source_dtype if source_dtype in DTYPES else "bfloat16")
     _, model = load_checkpoint_model(src, cfg)

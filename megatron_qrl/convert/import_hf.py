@@ -19,7 +19,7 @@ from megatron_qrl.logging import progress_bar
 from . import qwen3_moe
 from .configs import conversion_config, single_process
 from .errors import ConvertError
-from .hf_config import STORED_CONFIG, read_hf_config
+from .hf_config import STORED_CONFIG, STORED_FILES, copy_side_files, read_hf_config
 from .mcore_io import build_unsharded_model, save_model_checkpoint
 from .safetensors_io import SafetensorsReader
 from .staging import require_new_output, staged_output
@@ -101,4 +101,5 @@ def hf_to_mcore(src: str | Path, dst: str | Path, config: Optional[str] = None,
         save_model_checkpoint(model, cfg, tmp, {"source": {"format": "hf", "path": str(src.absolute()),
                                                            "architecture": qwen3_moe.ARCHITECTURE}})
         (tmp / STORED_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+        copy_side_files(src, tmp / STORED_FILES)   # tokenizer, chat template, generation config: for exports
     return dst

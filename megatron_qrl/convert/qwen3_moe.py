@@ -63,11 +63,20 @@ def _require(hf: dict, key: str, expected, why: str, missing=None) -> None:
                            f"({why})")
 
 
+# why a near relative cannot be expressed by our layer spec (megatron_qrl/models/spec.py, provider.py)
+UNSUPPORTED = {
+    "Qwen2ForCausalLM": "Qwen2 / Qwen2.5 have a bias on q/k/v and no q/k RMSNorm; our layer spec builds "
+                        "neither (add_qkv_bias=False, QK-norm on)",
+    "Qwen2MoeForCausalLM": "Qwen1.5/Qwen2-MoE have q/k/v biases and a gated shared expert, which our spec lacks",
+}
+
+
 def model_fields_from_hf(hf: dict) -> dict:
     """config.json of a Qwen3-MoE checkpoint -> the `model.*` fields of a QRLConfig."""
     arch = hf.get("architectures") or []
     if arch != [ARCHITECTURE]:
-        raise ConvertError(f"config.json architectures={arch} is not supported; this converter handles "
+        why = "".join(f" ({UNSUPPORTED[a]})" for a in arch if a in UNSUPPORTED)
+        raise ConvertError(f"config.json architectures={arch} is not supported{why}; this converter handles "
                            f"['{ARCHITECTURE}'] (Qwen3-MoE). Other families need their own mapping "
                            "(docs/convert.md, 'Limits')")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
