@@ -44,7 +44,8 @@ class ModelConfig(_Section):
     init_method_std: float = Field(0.02, gt=0)
     untie_embeddings_and_output_weights: bool = True
     hf_path: Optional[str] = Field(None, description="local Hugging Face model directory: fills the fields above "
-                                   "from its config.json, gives the tokenizer and the initial weights (docs/convert.md)")
+                                   "from its config.json, gives the tokenizer and the initial weights "
+                                   "(docs/convert.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -373,6 +374,10 @@ class QRLConfig(_Section):
         elif t.expert_parallel > 1:
             errs.append("trainer.expert_parallel > 1 needs an MoE model: set model.num_experts > 0 "
                         "or trainer.expert_parallel=1")
+        if not m.num_experts and self.quant.qat and self.quant.format != "bf16" and \
+                self.quant.targets == "routed_experts":
+            errs.append("quant.targets=routed_experts quantizes nothing in a dense model (model.num_experts=0): "
+                        "set quant.targets=all_linears (or quant.qat=false)")
         if t.sequence_parallel is False and t.tensor_parallel > 1 and m.num_experts:
             errs.append("trainer.sequence_parallel=false with tensor_parallel > 1 and MoE is not supported by "
                         "Megatron-Core; set trainer.sequence_parallel=true (or leave it unset)")

@@ -1,9 +1,9 @@
 """A tiny Hugging Face model directory as a real one looks on disk, made offline for the tests.
 
-Qwen3MoeForCausalLM with random weights (save_pretrained), a byte-level BPE tokenizer trained with the
-`tokenizers` library on a few sentences (with Qwen's special tokens <|endoftext|>, <|im_start|>,
-<|im_end|>), a Qwen-style ChatML chat template, and generation_config.json whose eos ids are
-[<|im_end|>, <|endoftext|>] as Qwen3's instruct releases have.
+Qwen3MoeForCausalLM (or dense Qwen3ForCausalLM) with random weights (save_pretrained), a byte-level BPE
+tokenizer trained with the `tokenizers` library on a few sentences (with Qwen's special tokens
+<|endoftext|>, <|im_start|>, <|im_end|>), a Qwen-style ChatML chat template, and generation_config.json
+whose eos ids are [<|im_end|>, <|endoftext|>] as Qwen3's instruct releases have.
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ TINY_MOE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_inter
                 norm_topk_prob=True, max_position_embeddings=96, rope_theta=10000.0, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
 
+TINY_DENSE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=96, rope_theta=10000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True)
+
 
 def save_tokenizer(path: Path, vocab_size: int = TOKENIZER_VOCAB, chat_template: str | None = CHATML):
     """Train a byte-level BPE and save it as transformers' fast tokenizer (tokenizer.json + tokenizer_config)."""
@@ -45,12 +49,16 @@ def save_tokenizer(path: Path, vocab_size: int = TOKENIZER_VOCAB, chat_template:
 
 
 def make_hf_model_dir(path: Path, seed: int = 0, tokenizer_vocab: int = TOKENIZER_VOCAB,
-                      chat_template: str | None = CHATML, **config) -> Path:
-    """config.json + model.safetensors + generation_config.json + tokenizer files in `path`."""
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+                      chat_template: str | None = CHATML, dense: bool = False, **config) -> Path:
+    """config.json + model.safetensors + generation_config.json + tokenizer files in `path`; dense=True: a
+    Qwen3ForCausalLM of the same attention shape (intermediate_size 128, tied embeddings)."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_MOE, **config}))
+    if dense:
+        model = Qwen3ForCausalLM(Qwen3Config(**{**TINY_DENSE, **config}))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_MOE, **config}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))

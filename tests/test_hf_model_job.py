@@ -1,7 +1,7 @@
 """A Hugging Face model directory through the whole job (issue 26), on a tiny Qwen3-MoE (tests/hf_model_dir.py).
 
 - `model.hf_path` weights land in the trainer exactly: log-probs equal transformers' forward in one process
-  and under TP=2, PP=2, EP=2 (2 gloo ranks);
+  (Qwen3-MoE and dense Qwen3) and under TP=2, PP=2, EP=2 (2 gloo ranks); dense Qwen3 round-trips and trains;
 - `qrl train` runs 2 RL steps (SFT warm start, chat template with a system prompt, GSM8K file, TRACE + R3,
   eval) from the directory alone, then `qrl export-nvfp4` of its checkpoint gives a directory that
   transformers loads as it is (tokenizer, chat template, generation config, config), whose NVFP4 weights,
@@ -95,15 +95,22 @@ def hf_logprobs(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_hf_path_weights_equal_transformers(model_dir):
+@pytest.fixture(scope="module")
+def dense_dir(model_dir):
+    return make_hf_model_dir(model_dir[0] / "dense", seed=3, dense=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_dense"])
+def test_hf_path_weights_equal_transformers(model_dir, dense_dir, family):
     from megatron_qrl.config import from_dict
     from megatron_qrl.convert.load_hf import load_hf_weights
     from megatron_qrl.platform import teardown
     from megatron_qrl.trainer import Trainer
 
-    _, hf, _ = model_dir
+    hf = model_dir[1] if family == "qwen3_moe" else dense_dir
     cfg = from_dict({"model": {"hf_path": str(hf)}, "quant": {"format": "bf16", "qat": False},
                      "trace": {"enabled": False}, "trainer": {"micro_batch_size": 3}})
+    assert cfg.model.num_experts == (4 if family == "qwen3_moe" else 0)
     try:
         trainer = Trainer(cfg)
         before = trainer.logprobs({"tokens": _tokens()})
@@ -172,7 +179,8 @@ def test_export_loads_in_transformers_with_the_trainers_logits(model_dir, traine
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         src.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tok("Weng earns $12").input_ids == src("Weng earns $12").input_ids
-    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == GenerationConfig.from_pretrained(str(hf)).eos_token_id
+    eos = GenerationConfig.from_pretrained(str(out)).eos_token_id
+    assert eos == GenerationConfig.from_pretrained(str(hf)).eos_token_id == [2, 0]
     config = AutoConfig.from_pretrained(str(out), local_files_only=True)
     assert config.quantization_config["quant_method"] == "modelopt"
     # transformers cannot run pre-quantized NVFP4 on CPU: dequantize with ModelOpt, load into the HF model
@@ -214,6 +222,34 @@ def test_export_loads_in_transformers_with_the_trainers_logits(model_dir, traine
     # the weights moved during training: the export is not simply the source directory
     with SafetensorsReader(hf) as reader:
         assert not torch.equal(reader.get("model.norm.weight").float(), state["model.norm.weight"])
+
+
+def test_dense_qwen3_round_trip_and_rl_steps(dense_dir, model_dir, tmp_path):
+    """Dense Qwen3: hf-to-mcore -> mcore-to-hf is bit exact (tokenizer carried inside the checkpoint, so the
+    source may be gone), and `qrl train` runs RL steps from the directory (all linears in FP4)."""
+    from megatron_qrl.convert import hf_to_mcore, mcore_to_hf
+    from megatron_qrl.convert.safetensors_io import SafetensorsReader
+    from megatron_qrl.platform import teardown
+
+    src = tmp_path / "src"
+    shutil.copytree(dense_dir, src)
+    try:
+        ckpt = hf_to_mcore(src, tmp_path / "ckpt")
+        shutil.rmtree(src)
+        back = mcore_to_hf(ckpt, tmp_path / "back")
+    finally:
+        teardown()
+    with SafetensorsReader(dense_dir) as a, SafetensorsReader(back) as b:
+        assert set(a.names()) == set(b.names()) and "lm_head.weight" not in a.names()
+        assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
+    assert json.loads((back / "config.json").read_text()) == json.loads((dense_dir / "config.json").read_text())
+    assert {"tokenizer.json", "chat_template.jinja", "generation_config.json"} <= {p.name for p in back.iterdir()}
+    out = tmp_path / "run"
+    r = qrl("train", "--config", write_config(tmp_path / "dense.yaml", dense_dir, model_dir[2], out),
+            "quant.targets=all_linears", "run.total_steps=1", "run.checkpoint_every=0", "run.eval_every=0")
+    assert r.returncode == 0, r.stderr[-4000:]
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["sync/hash_ok"] == 1.0 and metrics["sync/bytes"] > 0
 
 
 def test_mcore_to_hf_carries_the_tokenizer(model_dir, trained, tmp_path):

@@ -50,6 +50,8 @@ def conversion_config(checkpoint_fields: dict, source: str, config_path: Optiona
         raise ConvertError("the config disagrees with the checkpoint's architecture:\n  " + "\n  ".join(conflicts)
                            + "\nremove these fields from --config/overrides (the checkpoint defines them)")
     data = {k: dict(v) for k, v in (defaults or {}).items()}
+    if checkpoint_fields.get("num_experts") == 0:   # a dense model has no routed experts to quantize
+        data.setdefault("quant", {}).setdefault("targets", "all_linears")
     for section, values in user.items():
         if isinstance(values, dict):
             data.setdefault(section, {}).update(values)

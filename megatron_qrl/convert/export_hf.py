@@ -1,4 +1,5 @@
-"""`qrl convert mcore-to-hf`: our Megatron checkpoint (any layout) -> a Qwen3-MoE HF safetensors directory.
+"""`qrl convert mcore-to-hf`: our Megatron checkpoint (any layout) -> a Qwen3-MoE (or dense Qwen3) HF
+safetensors directory.
 
 The checkpoint is loaded into one unsharded model (one copy of the weights; Megatron loads in place), then
 HF tensors are produced rule by rule and streamed into bounded safetensors shards. Output dtype: --dtype,
@@ -40,7 +41,7 @@ def dtype_name(name: Optional[str]) -> Optional[str]:
 
 
 def checkpoint_config(checkpoint: str | Path, config: Optional[str] = None, overrides: Iterable[str] = ()):
-    """The run config of a checkpoint (its manifest + --config/overrides), checked to be Qwen3-MoE."""
+    """The run config of a checkpoint (its manifest + --config/overrides), checked to be Qwen3(-MoE)."""
     checkpoint = Path(checkpoint).absolute()
     manifest = manifest_of(checkpoint)
     cfg = config_from_manifest(manifest, f"'{checkpoint}/manifest.json'", config, overrides)

@@ -5,7 +5,7 @@ round trip returns the same file content, and copy its side files (tokenizer fil
 generation_config.json), so the output directory loads with transformers / SGLang as it is. The source, in
 this order: `--hf-config DIR`; the config and side files `qrl convert hf-to-mcore` keeps inside the
 checkpoint (`hf_config.json`, `hf_files/`); the `model.hf_path` directory a training run started from (in
-the checkpoint manifest's model config). Only without any of them is a Qwen3-MoE config generated from the
+the checkpoint manifest's model config). Only without any of them is a Qwen3(-MoE) config generated from the
 checkpoint's model config (and no tokenizer is written).
 """
 from __future__ import annotations

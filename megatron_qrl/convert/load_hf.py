@@ -2,7 +2,7 @@
 
 No intermediate Megatron checkpoint: each trainer rank walks its own parameters, names each by its unsharded
 name (global layer and expert index, pipeline/gather_weights.py's rule), builds the full tensor with the
-converter's Qwen3-MoE mapping (convert/qwen3_moe.py: q/k/v grouped per KV head, [gate; up]) from the
+converter's Qwen3 mapping (convert/qwen3_moe.py: q/k/v grouped per KV head, [gate; up]) from the
 memory-mapped shards, and keeps its tensor-parallel slice - the inverse of gather_weights:
 - tensor parallel: the slice `rank` of `partition_dim` (the expert-TP group for routed experts); gated fc1
   weights hold [gate_shard; up_shard] per rank;
@@ -53,7 +53,7 @@ def _rule_of(global_name: str, rules: dict, tied: bool):
         return rules[global_name]
     if tied and global_name == "output_layer.weight":   # last pipeline stage's copy of the tied embedding
         return rules[EMBEDDING]
-    raise ConvertError(f"parameter '{global_name}' has no Qwen3-MoE mapping rule; update "
+    raise ConvertError(f"parameter '{global_name}' has no Qwen3 mapping rule; update "
                        "megatron_qrl/convert/qwen3_moe.py")
 
 
