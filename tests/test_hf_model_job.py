@@ -156,6 +156,11 @@ def test_train_from_a_model_directory(model_dir, trained):
     assert f"hf_path: {hf}" in saved and "vocab_size: 320" in saved and "num_experts: 4" in saved
     manifest = json.loads((trained / "checkpoints/step_000002/manifest.json").read_text())
     assert manifest["model"]["hf_path"] == str(hf) and manifest["model"]["vocab_size"] == 320
+    # `qrl eval` reloads the saved config: the same directory, tokenizer and chat template
+    r = qrl("eval", trained / "checkpoints/step_000002", "--out", trained / "eval.json")
+    assert r.returncode == 0, r.stderr[-4000:]
+    result = json.loads((trained / "eval.json").read_text())
+    assert result["task"] == "gsm8k" and result["eval/num_prompts"] == 4
 
 
 def test_export_loads_in_transformers_with_the_trainers_logits(model_dir, trained, tmp_path):
