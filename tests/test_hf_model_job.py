@@ -238,8 +238,10 @@ def test_dense_qwen3_round_trip_and_rl_steps(dense_dir, model_dir, tmp_path):
 
     src = tmp_path / "src"
     shutil.copytree(dense_dir, src)
+    # a run recipe as --config: its model.hf_path (here a directory that does not exist) is not the source
+    recipe = write_config(tmp_path / "recipe.yaml", tmp_path / "nowhere", model_dir[2], tmp_path / "unused")
     try:
-        ckpt = hf_to_mcore(src, tmp_path / "ckpt")
+        ckpt = hf_to_mcore(src, tmp_path / "ckpt", config=str(recipe))
         shutil.rmtree(src)
         back = mcore_to_hf(ckpt, tmp_path / "back")
     finally:

@@ -42,6 +42,7 @@ def conversion_config(checkpoint_fields: dict, source: str, config_path: Optiona
     user = _user_data(config_path, overrides)
     user_model = user.get("model") or {}
     user_model.pop("hf_path", None)   # a run recipe's model directory: the conversion's source is explicit
+    user.pop("data", None)            # ... and its prompts / chat template: conversions read no data
     fixed = set(fixed)
     conflicts = [f"model.{k}: {source} has {checkpoint_fields[k]!r}, your config/overrides say {user_model[k]!r}"
                  for k in sorted(fixed) if k in user_model and k in checkpoint_fields
