@@ -43,6 +43,19 @@ class ModelConfig(_Section):
     max_sequence_length: int = Field(128, ge=2)
     init_method_std: float = Field(0.02, gt=0)
     untie_embeddings_and_output_weights: bool = True
+    hf_path: Optional[str] = Field(None, description="local Hugging Face model directory: fills the fields above "
+                                   "from its config.json, gives the tokenizer and the initial weights "
+                                   "(docs/convert.md)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_hf_path(cls, data: Any):
+        """model.hf_path: config.json's architecture fields (a disagreeing field is an error naming both)."""
+        if isinstance(data, dict) and data.get("hf_path") is not None:
+            from megatron_qrl.convert.hf_model import model_section_from_hf
+
+            return model_section_from_hf(data)
+        return data
 
     @property
     def head_dim(self) -> int:
@@ -274,10 +287,20 @@ class R3Config(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["arithmetic", "countdown", "jsonl", "parquet", "gsm8k"] = "arithmetic"
+    """Prompts (synthetic tasks or local files), how they become token ids, and the verifier."""
+
+    task: Literal["arithmetic", "countdown", "jsonl", "parquet", "gsm8k", "math"] = "arithmetic"
     path: Optional[str] = None
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", description="prompt column (gsm8k reads 'question', math 'problem' when "
+                            "left at 'prompt')")
     answer_key: str = "answer"
+    response_key: Optional[str] = Field(None, description="jsonl/parquet: column of reference responses (the SFT "
+                                        "warm start's targets)")
+    chat_template: Optional[bool] = Field(None, description="wrap prompts in the tokenizer's chat template; default: "
+                                          "on when the model.hf_path tokenizer has one")
+    system_prompt: Optional[str] = Field(None, description="chat template: a system message before each prompt")
+    chat_template_kwargs: dict[str, Any] = Field({}, description="chat template: extra variables, e.g. "
+                                                 "{enable_thinking: false} for Qwen3")
     reward: Optional[str] = Field(None, description="user reward 'module:function'")
     eval_size: int = Field(64, ge=1)
     seed: int = 0
@@ -351,6 +374,10 @@ class QRLConfig(_Section):
         elif t.expert_parallel > 1:
             errs.append("trainer.expert_parallel > 1 needs an MoE model: set model.num_experts > 0 "
                         "or trainer.expert_parallel=1")
+        if not m.num_experts and self.quant.qat and self.quant.format != "bf16" and \
+                self.quant.targets == "routed_experts":
+            errs.append("quant.targets=routed_experts quantizes nothing in a dense model (model.num_experts=0): "
+                        "set quant.targets=all_linears (or quant.qat=false)")
         if t.sequence_parallel is False and t.tensor_parallel > 1 and m.num_experts:
             errs.append("trainer.sequence_parallel=false with tensor_parallel > 1 and MoE is not supported by "
                         "Megatron-Core; set trainer.sequence_parallel=true (or leave it unset)")
@@ -384,8 +411,12 @@ class QRLConfig(_Section):
         if self.rollout.max_new_tokens + 8 > m.max_sequence_length:
             errs.append(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for prompts in "
                         f"model.max_sequence_length ({m.max_sequence_length}); raise the latter")
-        if self.data.task in ("jsonl", "parquet", "gsm8k") and not self.data.path:
+        if self.data.task in ("jsonl", "parquet", "gsm8k", "math") and not self.data.path:
             errs.append(f"data.task={self.data.task} reads a local file: set data.path=/path/to/file")
+        if not m.hf_path and (self.data.chat_template or self.data.system_prompt or self.data.chat_template_kwargs):
+            errs.append("data.chat_template / system_prompt / chat_template_kwargs need a tokenizer with a chat "
+                        "template: set model.hf_path to a Hugging Face model directory (the default character "
+                        "tokenizer has none)")
         if errs:
             raise ValueError("; ".join(errs))
         return self

@@ -43,7 +43,8 @@ class RolloutBatch:
 
 
 def encode_prompts(tokenizer, samples: Sequence[Sample]) -> list[list[int]]:
-    return [tokenizer.encode(s.prompt, add_bos=True) for s in samples]
+    """The ids generation starts from (the tokenizer's encode_prompt: chat template when it has one)."""
+    return [tokenizer.encode_prompt(s.prompt) for s in samples]
 
 
 def generate(engine: RolloutEngine, tokenizer, prompts: Sequence[Sample], group_size: int,
@@ -108,10 +109,11 @@ def build_batch(samples: list[Sample], rollouts: list[RolloutSample], tokenizer,
 
 
 def sft_batch(samples: Sequence[Sample], tokenizer) -> dict:
-    """Prompt + reference response + EOS, loss on the response tokens (the SFT warm start)."""
+    """Prompt (as generation sees it) + reference response + EOS, loss on the response tokens and the EOS
+    (the SFT warm start)."""
     seqs, prompt_lens = [], []
     for s in samples:
-        p = tokenizer.encode(s.prompt, add_bos=True)
+        p = tokenizer.encode_prompt(s.prompt)
         seqs.append(p + tokenizer.encode(s.response) + [tokenizer.eos_id])
         prompt_lens.append(len(p))
     T = max(map(len, seqs))
