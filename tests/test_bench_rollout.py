@@ -20,7 +20,7 @@ def test_bench_rollout_tiny_table(tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header == ["batch", "fp4 tok/s", "bf16 tok/s", "hf tok/s", "fp4/bf16", "fp4/hf", "fp4 step ms",
-                      "HBM floor ms", "step/floor"]
+                      "fp4 graph ms", "bf16 graph ms", "HBM floor ms", "graph/floor"]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
     assert [r[0] for r in rows] == ["1", "3"]
     for r in rows:

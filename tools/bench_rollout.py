@@ -218,6 +218,38 @@ def decode_rate(timer, prompts, a):
     return (statistics.median(ok) if ok else float("nan")), rates
 
 
+def graph_step_ms(engine, batch: int, a, steps: int = 32) -> float:
+    """Median-free mean time of one replay of the decode-step graph of `batch` rows, measured with CUDA events
+    over `steps` back-to-back replays (rows active from position prompt_len); the rows' state is restored."""
+    import torch
+
+    from megatron_qrl.rollout.protocol import SamplingParams
+
+    loop = engine._static_loop
+    if loop is None or not torch.cuda.is_available():
+        return float("nan")
+    st = loop.state
+    bucket = next(b for b in loop.buckets if b >= batch)
+    saved = st.snapshot()
+    st.active[:batch] = True
+    st.positions[:batch] = a.prompt_len
+    st.slots[:batch] = torch.arange(batch, device=st.slots.device)
+    st.n_gen[:batch] = 1
+    st.max_new.fill_(10 ** 6)
+    params = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens)
+    loop.graphs.run(bucket, params)                       # captured during the timed generates; warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    steps = min(steps, a.new_tokens - 1)
+    start.record()
+    for _ in range(steps):
+        loop.graphs.run(bucket, params)
+    end.record()
+    torch.cuda.synchronize()
+    st.restore(saved)
+    st.active[:batch] = False
+    return start.elapsed_time(end) / steps
+
+
 def hbm_floor_ms(cfg, batch: int, context: float, fp4: bool, tbs: float) -> float:
     """Bytes one decode step must read from HBM over `tbs` TB/s (see the module docstring)."""
     m = cfg.model
@@ -305,7 +337,11 @@ def run(a) -> dict:
                 med, rates = decode_rate(lambda p, n, eng=eng: time_engine(eng, p, n), ps, a)
                 res["rates"].setdefault(key, {}).setdefault(name, {})[b] = med
                 res["rates_all"].setdefault(key, {}).setdefault(name, {})[b] = rates
-                print(f"[bench] {layers} layers B={b} {name}: {med:.1f} tok/s {[round(r, 1) for r in rates]}",
+                if eng.decode_mode == "graphs":
+                    res.setdefault("graph_step_ms", {}).setdefault(key, {}).setdefault(name, {})[b] = \
+                        graph_step_ms(eng, b, a)
+                print(f"[bench] {layers} layers B={b} {name}: {med:.1f} tok/s {[round(r, 1) for r in rates]}"
+                      f" graph step {res.get('graph_step_ms', {}).get(key, {}).get(name, {}).get(b, float('nan')):.3f} ms",
                       file=sys.stderr, flush=True)
                 write_json(res, a.json)
             res.setdefault("health", {})[f"{layers}:{name}"] = {k: v for k, v in eng.health().items()
@@ -373,15 +409,17 @@ def table(res: dict) -> str:
         ratio = [("fp4", "bf16"), ("fp4", "hf"), ("fp4", "fp4-eager")]
         ratio = [(x, y) for x, y in ratio if x in cols and y in cols]
         lines += ["", f"{layers} layers:", "| batch | " + " | ".join(f"{c} tok/s" for c in cols) + " | "
-                  + " | ".join(f"{x}/{y}" for x, y in ratio) + " | fp4 step ms | HBM floor ms | step/floor |",
-                  "|---" * (4 + len(cols) + len(ratio)) + "|"]
+                  + " | ".join(f"{x}/{y}" for x, y in ratio) + " | fp4 step ms | fp4 graph ms | bf16 graph ms"
+                  " | HBM floor ms | graph/floor |", "|---" * (6 + len(cols) + len(ratio)) + "|"]
         for b in res["batches"]:
             nan = float("nan")
             row = [str(b)] + [f"{rates[c].get(b, nan):.1f}" for c in cols]
             row += [f"{rates[x].get(b, nan) / rates[y].get(b, nan):.2f}x" for x, y in ratio]
             floor = res["floor_ms"][layers][b]["fp4"]
             step = b / rates["fp4"][b] * 1e3 if b in rates.get("fp4", {}) else nan
-            row += [f"{step:.2f}", f"{floor:.2f}", f"{step / floor:.2f}x"]
+            graph = res.get("graph_step_ms", {}).get(layers, {})
+            g4, g16 = graph.get("fp4", {}).get(b, nan), graph.get("bf16", {}).get(b, nan)
+            row += [f"{step:.2f}", f"{g4:.3f}", f"{g16:.3f}", f"{floor:.2f}", f"{g4 / floor:.2f}x"]
             lines.append("| " + " | ".join(row) + " |")
     if res.get("health"):
         lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
