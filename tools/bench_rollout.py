@@ -345,7 +345,8 @@ def run(a) -> dict:
                       file=sys.stderr, flush=True)
                 write_json(res, a.json)
             res.setdefault("health", {})[f"{layers}:{name}"] = {k: v for k, v in eng.health().items()
-                                                                if k in ("decode", "graphs_captured", "graph_failure")}
+                                                                if k in ("decode", "graphs_captured", "graph_failure",
+                                                                         "graph_capture_s")}
             if name == "fp4" and a.overheads and layers == a.layers[0]:
                 ps = prompts_for(a, vocab, a.overheads, g)
                 greedy, _ = decode_rate(lambda p, n: time_engine(eng, p, n), ps, a)

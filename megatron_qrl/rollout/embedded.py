@@ -316,5 +316,6 @@ class EmbeddedEngine:
             "fp4_kernels": self.kernels is not None, "decode": self.decode_mode,
             "graphs_captured": self._static_loop.graphs.captures if self._static_loop is not None else 0,
             "graph_failure": self._static_loop.graphs.failure if self._static_loop is not None else None,
+            "graph_capture_s": self._static_loop.graphs.capture_s if self._static_loop is not None else 0.0,
             **self.stats,
         }

@@ -23,6 +23,7 @@ eager engine mixes them into a decode step.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -176,6 +177,7 @@ class DecodeGraphs:
         self.graphs: dict = {}
         self.pool = None
         self.captures = 0
+        self.capture_s = 0.0                 # host time spent capturing (warm-ups included)
         self.failure: Optional[str] = None   # why capture failed; the step then runs eagerly (logged once)
 
     def run(self, bucket: int, params: SamplingParams) -> None:
@@ -198,6 +200,7 @@ class DecodeGraphs:
         graph.replay()
 
     def _capture(self, bucket: int, params: SamplingParams):
+        t0 = time.perf_counter()
         saved = self.state.snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -213,6 +216,7 @@ class DecodeGraphs:
             self.step(bucket, params)
         self.state.restore(saved)          # capture records the step; nothing ran, but be explicit
         self.captures += 1
+        self.capture_s += time.perf_counter() - t0
         return graph
 
     def clear(self) -> None:
