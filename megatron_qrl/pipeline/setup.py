@@ -125,7 +125,7 @@ class RunSetup:
 
         from megatron_qrl.config import dump_config
 
-        if dist.get_rank() != 0 or not self.cfg.run.save_checkpoints:   # no checkpoints: nothing to describe
+        if dist.get_rank() != 0:
             return
         out = Path(self.cfg.run.output_dir)
         out.mkdir(parents=True, exist_ok=True)
