@@ -153,9 +153,9 @@ def present(command: str, body: Callable[[], object], debug: Optional[bool] = No
             note = str(err) if isinstance(err, Interrupted) else ""
             print(f"qrl {command}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    except SystemExit:
+    except (SystemExit, GeneratorExit):
         raise
-    except Exception as err:  # noqa: BLE001 - every error is shown once, in the form the module doc gives
+    except BaseException as err:  # noqa: BLE001 - PyTorch DCP's CheckpointException is a BaseException
         if is_disk_full(err):
             status, text = EXIT_ENVIRONMENT, disk_full_message(err)
         elif is_input_error(err):

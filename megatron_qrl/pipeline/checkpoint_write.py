@@ -37,7 +37,9 @@ def checkpoint_write(path: Path):
         free = free_bytes(path.parent)      # before the partial files are removed: what the writer saw
         if not dist.is_initialized() or dist.get_rank() == 0:
             remove_partial(path)
-        full = is_disk_full(err) or (isinstance(err, Exception) and free is not None and free < LOW_SPACE_BYTES)
+        failed = not isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit))   # PyTorch DCP's
+        # CheckpointException is a BaseException, not an Exception
+        full = is_disk_full(err) or (failed and free is not None and free < LOW_SPACE_BYTES)
         if not full:
             raise
         latest = latest_checkpoint(path.parent.parent)
