@@ -206,13 +206,39 @@ def _check_data_path(cfg) -> None:
                          "data.path to a local .jsonl or .parquet file")
 
 
+# the model fields a checkpoint's tensors are shaped by (trainer/checkpoint.py refuses a mismatch at load)
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size",
+                "vocab_size")
+
+
 def _check_init_checkpoint(cfg) -> None:
-    """run.init_checkpoint is a checkpoint (read only by a run without a checkpoint of its own)."""
+    """run.init_checkpoint is a checkpoint of this model's shape (read only by a run without a checkpoint of its
+    own): checked from its manifest, before the start-up, with the overrides that would make the shapes agree."""
+    import json
+
     path = cfg.run.init_checkpoint
-    if path and not (Path(path) / "manifest.json").is_file():
+    if not path:
+        return
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
         what = "does not exist" if not Path(path).exists() else "is not a megatron-qrl checkpoint (no manifest.json)"
         raise InputError(f"run.init_checkpoint '{path}' {what}; point it to a checkpoint directory (a run's "
                          "checkpoints/step_XXXXXX, or the output of `qrl convert hf-to-mcore`)")
+    try:
+        saved = json.loads(manifest.read_text()).get("model") or {}
+    except (ValueError, AttributeError):
+        return   # a damaged manifest: the load names it (CheckpointCorrupt)
+    mine = cfg.model.model_dump()
+    for m in (saved, mine):   # kv_channels None means hidden / heads: compare the head dims themselves
+        if m.get("kv_channels") is None and m.get("hidden_size") and m.get("num_attention_heads"):
+            m["kv_channels"] = m["hidden_size"] // m["num_attention_heads"]
+    diff = {k: (saved[k], mine.get(k)) for k in SHAPE_FIELDS if k in saved and saved[k] != mine.get(k)}
+    if diff:
+        raise InputError(f"run.init_checkpoint '{path}' holds a model of another shape ("
+                         + ", ".join(f"model.{k} {a} there, {b} here" for k, (a, b) in diff.items())
+                         + "); set " + " ".join(f"model.{k}={a}" for k, (a, _) in diff.items())
+                         + f", or copy the `model` section of {manifest} into the run's config")
 
 
 def inspect_run_dir(cfg) -> RunDirPlan:
