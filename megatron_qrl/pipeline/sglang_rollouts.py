@@ -129,7 +129,6 @@ class SGLangServerRollouts:
     def evaluate(self, step: int) -> dict:
         from .evaluate import evaluate
         from .rollout_service import broadcast_object
-
         from .weight_sync import noise_free
 
         s = self.s
@@ -138,6 +137,7 @@ class SGLangServerRollouts:
         if dist.get_rank() == 0:
             m = evaluate(s.engine, s.tokenizer, s.eval_set, s.cfg.rollout.max_new_tokens, s.reward_fn,
                          s.cfg.data.reward_time_limit_s)
+        self.idle()                          # the evaluation's payload is not kept for a restart either
         return broadcast_object(m, src=0) if dist.get_world_size() > 1 else m
 
     def __enter__(self):
