@@ -222,7 +222,8 @@ class DataConfig(_Section):
 
 
 class RunConfig(_Section):
-    output_dir: str = "runs/tiny_cpu"
+    output_dir: str = Field("runs/tiny_cpu", description="default: runs/<config file name> (runs/tiny_cpu "
+                            "without a file); one run per directory (docs/RELIABILITY.md \"Run directories\")")
     total_steps: int = Field(20, ge=1)
     sft_steps: int = Field(0, ge=0, description="SFT warm start when no checkpoint exists")
     sft_lr: Optional[float] = Field(None, gt=0, description="constant LR of the SFT warm start (default trainer.lr)")
@@ -435,6 +436,9 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, trainer:, ...)")
         data = loaded
+        run = data.setdefault("run", {})
+        if isinstance(run, dict) and "output_dir" not in run:   # one directory per config, not one for all
+            run["output_dir"] = f"runs/{p.stem}"
     return from_dict(apply_overrides(data, list(overrides or [])))
 
 

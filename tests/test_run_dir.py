@@ -131,3 +131,10 @@ def test_qrl_train_refuses_a_conflicting_run_dir_before_any_process_group(tmp_pa
     err = capsys.readouterr().err
     assert rc == 2 and "model.num_experts: 8 (saved) -> 4 (now)" in err and "Traceback" not in err, err
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["num_experts"] == 8
+
+
+def test_a_config_without_output_dir_gets_its_own_directory(tmp_path):
+    cfg_file = tmp_path / "my_experiment.yaml"
+    cfg_file.write_text("trainer:\n  lr: 1.0e-4\n")
+    assert load_config(cfg_file).run.output_dir == "runs/my_experiment"   # not the shared runs/tiny_cpu
+    assert load_config(cfg_file, ["run.output_dir=elsewhere"]).run.output_dir == "elsewhere"
