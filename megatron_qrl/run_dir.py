@@ -171,7 +171,8 @@ class RunDirPlan:
         path = path or self.resume_from
         text = f"resume from {path.name} of {self.output_dir} ({step_of(path)} of {self.total_steps} steps done)"
         if self.changed:
-            text += "; changed since it was saved: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.changed.items())
+            changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.changed.items())
+            text += f"; changed since it was saved: {changes}"
             if "run.total_steps" in self.changed:
                 text += " (the AQN noise and LR schedules follow the new length)"
         return text

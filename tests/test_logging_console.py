@@ -70,7 +70,8 @@ def test_debug_filters_nothing(console):
 def test_step_lines_eval_line_and_summary(console, caplog):
     caplog.set_level(logging.INFO, logger="megatron_qrl.run")
     cfg = SimpleNamespace(run=SimpleNamespace(total_steps=100, output_dir="runs/x"),
-                          rl=SimpleNamespace(is_method="ais"), rollout=SimpleNamespace(prompts_per_step=8, group_size=8))
+                          rl=SimpleNamespace(is_method="ais"),
+                          rollout=SimpleNamespace(prompts_per_step=8, group_size=8))
     report = RunReport(cfg, start=50, end=100)
     report.begin()
     report.step({"step": 50, "reward/mean": 0.5, "response/len_mean": 6.25, "rollout/tokens_per_s": 812.4,

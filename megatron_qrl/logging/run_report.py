@@ -11,8 +11,8 @@ from typing import Mapping, Optional
 log = logging.getLogger("megatron_qrl.run")
 
 # the parts of a step's wall time, as the loop and its helpers measure them (docs/metrics.md)
-STEP_PARTS = (("sync", "sync/s"), ("rollout", "rollout/s"), ("logprobs", "time/logprobs_s"), ("train", "time/train_s"),
-              ("eval", "time/eval_s"))
+STEP_PARTS = (("sync", "sync/s"), ("rollout", "rollout/s"), ("logprobs", "time/logprobs_s"),
+              ("train", "time/train_s"), ("eval", "time/eval_s"))
 
 
 def format_duration(seconds: float) -> str:
@@ -111,7 +111,8 @@ class RunReport:
         if steps_run <= 0:
             return
         wall = time.perf_counter() - self.t0
-        parts = [f"{steps_run} RL step{'s' if steps_run != 1 else ''} in {format_duration(wall)} ({wall / steps_run:.2f} s/step)"]
+        plural = "s" if steps_run != 1 else ""
+        parts = [f"{steps_run} RL step{plural} in {format_duration(wall)} ({wall / steps_run:.2f} s/step)"]
         n = min(10, len(self.rewards) // 2)
         if n:
             first, last = self.rewards[:n], self.rewards[-n:]

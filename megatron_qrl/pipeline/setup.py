@@ -93,7 +93,8 @@ class RunSetup:
         model = (f"{m.num_layers} layers, hidden {m.hidden_size}, " + (f"{m.num_experts} experts top-"
                  f"{m.moe_router_topk}" if m.num_experts else "dense") + (f", {params / 1e6:.2f}M params on rank 0"
                                                                          if params else ""))
-        layout = f"TP{t.tensor_parallel} PP{t.pipeline_parallel} EP{t.expert_parallel} on {dist.get_world_size()} rank(s)"
+        layout = (f"TP{t.tensor_parallel} PP{t.pipeline_parallel} EP{t.expert_parallel} on "
+                  f"{dist.get_world_size()} rank(s)")
         engine = f"{cfg.rollout.engine} engine ({cfg.rollout.placement}, {cfg.rollout.weights} {cfg.rollout.scheme})"
         data = f"data {cfg.data.task} ({len(self.train_set)} train / {len(self.eval_set)} eval prompts)"
         return f"model {model}; trainer {layout}, QAT {cfg.quant.format if cfg.quant.qat else 'off'}; {engine}; {data}"

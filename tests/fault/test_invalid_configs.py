@@ -1,6 +1,7 @@
 """Invalid configurations through the real entry point (`qrl train --config ... overrides`): each one fails
 before any process group starts (torch.distributed.init_process_group is made to fail loudly if reached), with one
-message naming the field and the fix, no traceback, exit status 2 (megatron_qrl/errors.py). docs/RELIABILITY.md carries this table (test_doc_lists_every_row)."""
+message naming the field and the fix, no traceback, exit status 2 (megatron_qrl/errors.py).
+docs/RELIABILITY.md carries this table (test_doc_lists_every_row)."""
 import pytest
 import torch.distributed as dist
 
