@@ -29,9 +29,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(cfg)
     inspect_run_dir(cfg)        # a conflicting output_dir or a missing input fails here, before the imports
-    logging.getLogger(__name__).info("qrl train %s%s -> %s: loading Megatron-Core and building the run",
-                                     args.config, f" + {len(args.overrides)} override(s)" if args.overrides else "",
-                                     cfg.run.output_dir)
+    log = logging.getLogger("megatron_qrl.launch.train")   # a fixed name: __name__ is __main__ under torchrun
+    log.info("qrl train %s%s -> %s: loading Megatron-Core and building the run", args.config,
+             f" + {len(args.overrides)} override(s)" if args.overrides else "", cfg.run.output_dir)
     try:
         train(cfg)
     except KeyboardInterrupt:   # Ctrl-C / SIGTERM: say what is on disk and how to go on (megatron_qrl.errors)
