@@ -2,7 +2,9 @@
 
 The checkpoint's weights go through the same path as in training: Megatron trainer load -> FP4 weight
 sync (codec bytes, digest-checked) -> embedded engine -> greedy generation on the task's eval split ->
-the task's verifier. Prints one JSON line; `--out FILE` also writes it.
+the task's verifier, without AQN noise. Prints one JSON line; `--out FILE` also writes it. The run's own
+`eval/accuracy` at step N is measured the same way on the weights after step N's updates, i.e. on the
+checkpoint step_{N+1}: `qrl eval runs/NAME/checkpoints/step_{N+1}` reports the same number.
 """
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_qrl.config import ConfigError, load_config
+    from megatron_qrl.config import load_config
 
-    ckpt = Path(args.checkpoint)
-    if not ckpt.is_dir():
-        raise ConfigError(f"checkpoint '{ckpt}' is not a directory; pass runs/NAME/checkpoints/step_XXXXXX")
+    ckpt = check_checkpoint_dir(Path(args.checkpoint))
     config = args.config or ckpt.parent.parent / "config.yaml"
+    if not Path(config).is_file():
+        from megatron_qrl.errors import InputError
+
+        raise InputError(f"no config for checkpoint '{ckpt}': {config} does not exist (a run writes it beside "
+                         "checkpoints/); pass the run's config with --config C")
     overrides = list(args.overrides) + ([f"data.task={args.task}"] if args.task else [])
     cfg = load_config(config, overrides + ["aqn.enabled=false"])
     result = evaluate_checkpoint(cfg, ckpt)
@@ -34,6 +39,25 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(line + "\n")
     return 0
+
+
+def check_checkpoint_dir(path: Path) -> Path:
+    """`path` if it is a checkpoint (has manifest.json); else an InputError naming what to pass instead."""
+    from megatron_qrl.errors import InputError
+    from megatron_qrl.pipeline.run_state import latest_checkpoint
+
+    if (path / "manifest.json").is_file():
+        return path
+    if not path.exists():
+        raise InputError(f"checkpoint '{path}' does not exist; pass runs/NAME/checkpoints/step_XXXXXX")
+    hint = "pass runs/NAME/checkpoints/step_XXXXXX"
+    for run_dir in (path, path.parent, path.parent.parent):   # a run dir, its checkpoints/, a broken step_*
+        latest = latest_checkpoint(run_dir)
+        if latest is not None:
+            hint = f"pass a checkpoint directory, e.g. the run's latest: {latest}"
+            break
+    what = "an interrupted save" if path.name.startswith(".") else "not a checkpoint"
+    raise InputError(f"'{path}' is {what} (no manifest.json in it); {hint}")
 
 
 def evaluate_checkpoint(cfg, ckpt: Path) -> dict:
@@ -48,6 +72,10 @@ def evaluate_checkpoint(cfg, ckpt: Path) -> dict:
 
 
 if __name__ == "__main__":
+    from megatron_qrl.errors import present
+
     parser = argparse.ArgumentParser(prog="python -m megatron_qrl.launch.evaluate")
     add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also QRL_DEBUG=1)")
+    cli_args = parser.parse_args()
+    raise SystemExit(present("eval", lambda: run(cli_args), debug=cli_args.debug))

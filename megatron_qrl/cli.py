@@ -29,20 +29,42 @@ def _available() -> dict:
     return found
 
 
+EPILOG = ("Configuration: every field, its default and meaning is in docs/configuration.md; override any field "
+          "on the command line as section.field=value (e.g. run.total_steps=10). Print the resolved config "
+          "without running: qrl train --config C [overrides] --dry-run. Errors print one line and exit 2 for bad "
+          "input; --debug (or QRL_DEBUG=1) shows the traceback.")
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("megatron-qrl")
+    except Exception:  # noqa: BLE001 - a plain checkout on PYTHONPATH (not pip-installed)
+        return "unknown (not installed: pip install -e .)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from megatron_qrl.errors import present
+
     argv = list(sys.argv[1:] if argv is None else argv)
     available = _available()
-    parser = argparse.ArgumentParser(prog="qrl", description="megatron-qrl: FP4 RL post-training for MoE LLMs")
+    parser = argparse.ArgumentParser(prog="qrl", description="megatron-qrl: FP4 RL post-training for MoE LLMs",
+                                     epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"qrl (megatron-qrl) {version()}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also QRL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     module = None
     for name, (module_name, help_text) in available.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks (also QRL_DEBUG=1)")
         if name == chosen:  # only the chosen subcommand's module is imported
             module = importlib.import_module(module_name)
             module.add_arguments(p)
     args = parser.parse_args(argv)
-    return int(module.run(args) or 0)
+    return present(args.command, lambda: module.run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

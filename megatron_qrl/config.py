@@ -312,12 +312,16 @@ class DataConfig(_Section):
 
 
 class RunConfig(_Section):
-    output_dir: str = "runs/tiny_cpu"
+    output_dir: str = Field("runs/tiny_cpu", description="default: runs/<config file name> (runs/tiny_cpu "
+                            "without a file); one run per directory (docs/RELIABILITY.md \"Run directories\")")
     total_steps: int = Field(20, ge=1)
     sft_steps: int = Field(0, ge=0, description="SFT warm start when no checkpoint exists")
     sft_lr: Optional[float] = Field(None, gt=0, description="constant LR of the SFT warm start (default trainer.lr)")
     eval_every: int = Field(10, ge=0)
-    checkpoint_every: int = Field(10, ge=0)
+    checkpoint_every: int = Field(10, ge=0, description="a checkpoint every N RL steps; 0 = only the final one "
+                                  "(the last step is always saved unless run.save_checkpoints=false)")
+    save_checkpoints: bool = Field(True, description="false: write no checkpoint at all (the run cannot be "
+                                   "resumed or evaluated afterwards)")
     resume: bool = True
     stop_after_steps: Optional[int] = Field(None, ge=1, description="end this process after N RL steps (e.g. "
                                             "to fit a job's time limit); a rerun resumes from the checkpoint")
@@ -542,11 +546,30 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist; pass --config configs/tiny_cpu.yaml or another "
                               "file under configs/")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(_yaml_error(p, err)) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, trainer:, ...)")
         data = loaded
+        run = data.setdefault("run", {})
+        if isinstance(run, dict) and "output_dir" not in run:   # one directory per config, not one for all
+            run["output_dir"] = f"runs/{p.stem}"
     return from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
+    """'FILE:LINE:COL: YAML syntax error: <problem>' (lines counted from 1, as editors do). The context mark
+    (e.g. the key that lacks its ':') comes first: it is where the mistake usually is."""
+    context, problem = getattr(err, "context_mark", None), getattr(err, "problem_mark", None)
+    mark = context or problem
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    text = "; ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x) or str(err)
+    if context is not None and problem is not None and problem.line != context.line:
+        text += f" (noticed at line {problem.line + 1})"
+    return (f"{where}: YAML syntax error: {text}; fix the file there (nested fields are indented under their "
+            "section, and 'key: value' needs the space after the colon)")
 
 
 def dump_config(cfg: QRLConfig) -> str:

@@ -11,18 +11,25 @@ where they fire (tests/fault/ and docs/RELIABILITY.md use them):
                      (disaggregated engine ranks: rollout_service._generate_with_restarts)
     stall_in_save    sleep QRL_FAULT_STALL_S (default 120) inside the checkpoint save, after the shard files
                      are written and before the manifest (trainer/checkpoint.py), so a test can kill -9 there
+    The kill_* kinds end the process with SIGKILL (no cleanup, as kill -9 would) at a boundary of step STEP:
+    kill_after_metrics     the step's metrics line is written (fsync'd), its checkpoint not begun (logging/metrics.py)
+    torn_metrics           half of the step's metrics line is written, then the kill (logging/metrics.py)
+    kill_before_latest     the checkpoint after the step is complete, `latest` not yet moved (pipeline/setup.py)
+    kill_after_checkpoint  the checkpoint is committed (`latest` names it), the next step not begun (setup.py)
 Unset (the normal case) every check is a dictionary lookup that finds nothing.
 """
 from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 from typing import Optional
 
 ENV = "QRL_FAULT_INJECT"
-KINDS = ("nan_reward", "nan_loss", "nan_grad", "engine_crash", "stall_in_save")
+KINDS = ("nan_reward", "nan_loss", "nan_grad", "engine_crash", "stall_in_save", "kill_after_metrics", "torn_metrics",
+         "kill_before_latest", "kill_after_checkpoint")
 _SPEC = re.compile(r"^(\w+)@(\d+)(?:x(\d+))?(?:r(\d+))?$")
 _plan: Optional[dict] = None
 _plan_source: Optional[str] = None
@@ -64,3 +71,13 @@ def stall(kind: str, step: Optional[int], rank: int = 0) -> None:
     """Sleep here when `kind` is due, giving a test the window to kill the process mid-operation."""
     if fires(kind, step, rank):
         time.sleep(float(os.environ.get("QRL_FAULT_STALL_S", "120")))
+
+
+def kill(kind: str, step: Optional[int], rank: int = 0) -> None:
+    """SIGKILL this process when `kind` is due: the abrupt end a kill -9 or a node failure gives."""
+    if fires(kind, step, rank):
+        sigkill()
+
+
+def sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -81,7 +81,7 @@ def test_qrl_eval_reports_heldout_accuracy_of_a_checkpoint(reference, tmp_path):
     assert result["task"] == "arithmetic"
     bad = subprocess.run([sys.executable, "-m", "megatron_qrl.launch.evaluate", str(tmp_path / "missing")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "is not a directory" in bad.stderr
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # ------------------------------------------------------------------------------------ disaggregated

@@ -150,10 +150,10 @@ def test_colocated_loop_syncs_hf_named_fp4_buckets_and_trains_on_the_samples(tmp
     assert args["enable_return_routed_experts"] and args["model_path"] == "/ckpt/tiny-nvfp4"
 
     syncs = fake.syncs[:-1]
-    assert len(syncs) == 2                                   # one full update per RL step
+    assert len(syncs) == 3   # one full update per RL step, and the evaluation's after the last step (AQN off)
     assert args["custom_weight_loader"] == CUSTOM_WEIGHT_LOADERS
     # FP4 payloads: each update is framed by the reload loaders; the cache is flushed by the end call only
-    assert fake.frames == [(BEGIN_FP4_UPDATE, False), (END_FP4_UPDATE, True)] * 2
+    assert fake.frames == [(BEGIN_FP4_UPDATE, False), (END_FP4_UPDATE, True)] * 3
     want = expected_wire_names(cfg)
     bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2 ** 20
     for buckets in syncs:
@@ -168,7 +168,7 @@ def test_colocated_loop_syncs_hf_named_fp4_buckets_and_trains_on_the_samples(tmp
         assert received["model.layers.0.self_attn.k_proj.weight"].shape == (cfg.model.num_query_groups
                                                                            * cfg.model.head_dim, H)
     check_bytes_against_digests(cfg, {n: t for bucket, _ in syncs[-1] for n, t in bucket}, s.engine.digests)
-    assert s.engine.version == 1 and s.engine.stats["syncs"] == 2
+    assert s.engine.version == 1 and s.engine.stats["syncs"] == 3
 
     # the loop consumed the canned samples: 2 prompts x 4 per step, their lengths, the eval on the last step
     assert [len(p) for p in fake.prompts] == [8, 8, cfg.data.eval_size]
@@ -247,16 +247,17 @@ def test_disaggregated_loop_sends_buckets_to_the_servers_from_trainer_rank_0(tmp
     updates = [b for p, b in servers.calls if p == "/update_weights_from_distributed"]
     assert len(updates) == len(servers.flats) and all(u["load_format"] == "flattened_bucket" for u in updates)
     assert not any(u["flush_cache"] or "weight_version" in u for u in updates)
-    # FP4 payloads: every update is framed by the reload loaders; the end call flushes and carries the version
+    # FP4 payloads: every update is framed by the reload loaders; the end call flushes and carries the version:
+    # step 0, step 1, and the evaluation after step 1's updates (same version, AQN off)
     frames = [(i, b) for i, (p, b) in enumerate(servers.calls) if p == "/update_weights_from_tensor"]
     assert [(b["load_format"], b["flush_cache"], b.get("weight_version")) for _, b in frames] == \
         [(BEGIN_FP4_UPDATE, False, None), (END_FP4_UPDATE, True, "0"), (BEGIN_FP4_UPDATE, False, None),
-         (END_FP4_UPDATE, True, "1")]
+         (END_FP4_UPDATE, True, "1"), (BEGIN_FP4_UPDATE, False, None), (END_FP4_UPDATE, True, "1")]
     bucket_calls = [i for i, (p, _) in enumerate(servers.calls) if p == "/update_weights_from_distributed"]
     first_sync = [i for i in bucket_calls if frames[0][0] < i < frames[1][0]]
     assert len(first_sync) > 1 and not [i for i in bucket_calls if frames[1][0] < i < frames[2][0]]
 
-    last_sync = range(len(first_sync), len(updates))
+    last_sync = [j for j, i in enumerate(bucket_calls) if frames[-2][0] < i < frames[-1][0]]
     received = {}
     for i in last_sync:
         meta = BucketMeta(updates[i]["names"], updates[i]["dtypes"], updates[i]["shapes"])
@@ -267,7 +268,7 @@ def test_disaggregated_loop_sends_buckets_to_the_servers_from_trainer_rank_0(tmp
     generates = [b for p, b in servers.calls if p == "/generate"]
     assert len(generates) == 2 * 8 + cfg.data.eval_size
     assert all(b["return_routed_experts"] and b["return_logprob"] for b in generates)
-    assert paths.count("/model_info") == 2 and paths.count("/weights_checker") == 2   # post-sync audits
+    assert paths.count("/model_info") == 3 and paths.count("/weights_checker") == 3   # post-sync audits
     assert last["sync/hash_ok"] == 1.0 and "eval/accuracy" in last
     assert s.engine.retained_update is None          # the payload is dropped for the trainer's turn
 

@@ -69,22 +69,23 @@ def _rows(path: str | Path) -> Iterable[tuple[str, Any]]:
     return _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
 
 
-def _load(rows, prompt_key, answer_key, response_key, task) -> list[Sample]:
+def _load(rows, prompt_key, answer_key, response_key, task, path=None) -> list[Sample]:
     out = [_to_sample(row, where, prompt_key, answer_key, response_key, task, i)
            for i, (where, row) in enumerate(rows)]
     if not out:
-        raise DataError("the data file holds no rows")
+        raise DataError(f"data file '{path}' holds no rows; point data.path to a file with one prompt per line "
+                        "(JSONL) or row (parquet)")
     return out
 
 
 def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
                response_key: Optional[str] = None, task: str = "jsonl") -> list[Sample]:
-    return _load(_jsonl_rows(_check_file(path)), prompt_key, answer_key, response_key, task)
+    return _load(_jsonl_rows(_check_file(path)), prompt_key, answer_key, response_key, task, path)
 
 
 def load_parquet(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
                  response_key: Optional[str] = None, task: str = "parquet") -> list[Sample]:
-    return _load(_parquet_rows(_check_file(path)), prompt_key, answer_key, response_key, task)
+    return _load(_parquet_rows(_check_file(path)), prompt_key, answer_key, response_key, task, path)
 
 
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
@@ -94,7 +95,7 @@ def load_gsm8k(path: str | Path, prompt_key: str = "question", answer_key: str =
     """GSM8K rows (JSONL or parquet): the answer text's '#### N' becomes `answer`; the full solution text
     (rationale + '#### N') is the SFT response."""
     out = []
-    for s in _load(_rows(path), prompt_key, answer_key, None, "gsm8k"):
+    for s in _load(_rows(path), prompt_key, answer_key, None, "gsm8k", path):
         m = _GSM8K_FINAL.search(s.answer)
         if not m:
             raise DataError(f"{path} row {s.meta['index']}: GSM8K answer has no '#### N' final line: "

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from megatron_qrl import fault_inject
 from megatron_qrl.logging.wandb_sink import WandbSink, resolve_wandb_mode
 
 METRICS_FILE = "metrics.jsonl"
@@ -154,9 +155,14 @@ class MetricsLogger:
         record: dict[str, Scalar] = {"step": int(step), "time": round(time.time(), 3)}
         record.update(sanitize_metrics(metrics))
         record["step"] = int(step)
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        line = json.dumps(record, allow_nan=False) + "\n"
+        torn = fault_inject.fires("torn_metrics", step, self.rank)   # tests: a kill in the middle of the write
+        self._file.write(line[: len(line) // 2] if torn else line)
         self._file.flush()
         os.fsync(self._file.fileno())
+        if torn:
+            fault_inject.sigkill()
+        fault_inject.kill("kill_after_metrics", step, self.rank)  # tests: the line is durable, the checkpoint not
         if self._wandb is not None:
             self._wandb.log(record)
         return record

@@ -71,10 +71,18 @@ class WandbSink:
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = _run_id(output_dir, resume)
+        # silent: W&B's own banner and end-of-run summary (~40 lines) say nothing metrics.jsonl does not;
+        # the one line below says where the run is
         self.run = wandb.init(project=project, dir=str(output_dir), mode=mode, config=config,
-                              id=self.run_id, resume="allow", name=name or output_dir.resolve().name)
+                              id=self.run_id, resume="allow", name=name or output_dir.resolve().name,
+                              settings=wandb.Settings(silent=True))
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+        if mode == "offline":
+            log.info("W&B offline run in %s (upload later: wandb sync %s)", self.run.dir.rsplit("/files", 1)[0],
+                     self.run.dir.rsplit("/files", 1)[0])
+        else:
+            log.info("W&B run %s", getattr(self.run, "url", None) or self.run_id)
 
     def log(self, record: Mapping[str, Any]) -> None:
         if self.run is not None:

@@ -147,7 +147,15 @@ class StepGuard:
     # ------------------------------------------------------------------------------ engine restarts
     def generate(self, prompts: list, sampling, step: int) -> list:
         """engine.generate with bounded restarts; collective (every rank calls it, even with no prompts)."""
+        from megatron_qrl.errors import PromptTooLong
+
+        from .prompt_limits import overflow
+
         self.step = step
+        too_long = overflow(prompts, self.s.cfg)   # an input error: no engine restart can fix it
+        if _any_rank(too_long is not None, self.s.trainer.device if self.s.trainer else "cpu"):
+            raise PromptTooLong(too_long or "a prompt of this step on another rank is longer than the context "
+                                "allows (that rank's message names the fix)")
         attempt, rollouts, done = 0, None, False
         while True:
             if not done:

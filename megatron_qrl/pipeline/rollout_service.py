@@ -14,12 +14,12 @@ engine; engine ranks T..N-1 run `serve_rollouts`, a loop that mirrors the traine
 default group: (1) weights: trainer rank 0 broadcasts the digests and a manifest, then the codec's bytes
 as flat buckets (pipeline/weight_transport.py) to the engines (group {0} + engines), engines install them
 (digest-checked) and report the audit; (2) each engine generates its
-contiguous share of the prompt groups (same seeds and sample indices as one engine would use), and on
-evaluation steps engine 0 also scores the held-out set with the same weights; (3) samples and rollouts
+contiguous share of the prompt groups (same seeds and sample indices as one engine would use); (3) samples and rollouts
 (without TRACE captures) go to every rank; (4) each engine seals the TRACE cache of its samples and
 `megatron_qrl.trace.exchange` ships every trainer rank the samples it trains. Engines do not keep the
-schedule themselves: trainer rank 0 sends each command (generate, save = join the collective checkpoint
-write with no state of their own, stop), so a checkpoint the trainer writes off schedule (the non-finite
+schedule themselves: trainer rank 0 sends each command (generate; eval = install the weights after the
+step's updates without AQN noise and let engine 0 score the held-out set; save = join the collective
+checkpoint write with no state of their own; stop), so a checkpoint the trainer writes off schedule (the non-finite
 guard's last one) and the end of the run reach them too.
 """
 from __future__ import annotations
@@ -38,14 +38,11 @@ from megatron_qrl.rollout.weights import payload_nbytes
 from megatron_qrl.trace.transport import comm_device
 
 from .evaluate import evaluate
-from .weight_sync import aqn_seed, holds_digests, set_trainer_aqn, step_aqn_sigma, sync_weights, trainer_payload
+from .weight_sync import (aqn_seed, holds_digests, noise_free, set_trainer_aqn, step_aqn_sigma, sync_weights,
+                          trainer_payload)
 from .weight_transport import manifest, receive_weights, send_weights
 
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def _is_eval_step(cfg, step: int) -> bool:
-    return bool(cfg.run.eval_every) and (step + 1) % cfg.run.eval_every == 0
 
 
 def to_bytes(obj) -> bytes:
@@ -128,9 +125,14 @@ class ColocatedRollouts:
         self.s.engine_idle()
 
     def evaluate(self, step: int) -> dict:
+        """Held-out accuracy of the weights after this step's updates, without AQN noise: exactly what
+        `qrl eval` reports for the checkpoint written after this step (same FP4 bytes, greedy decoding)."""
         s = self.s
-        return evaluate(s.engine_ready(), s.tokenizer, s.eval_set, s.cfg.rollout.max_new_tokens, s.reward_fn,
-                        s.cfg.data.reward_time_limit_s)
+        t0 = time.perf_counter()
+        sync_weights(s.engine_ready(), s.trainer, noise_free(s.cfg), step, version=step)
+        out = evaluate(s.engine, s.tokenizer, s.eval_set, s.cfg.rollout.max_new_tokens, s.reward_fn,
+                       s.cfg.data.reward_time_limit_s)
+        return {**out, "time/eval_s": time.perf_counter() - t0}
 
     def __enter__(self):
         return self
@@ -146,20 +148,23 @@ class RemoteRollouts:
     def __init__(self, s, place):
         self.s, self.place = s, place
         self.group = weight_sync_group()
-        self._eval: dict = {}
 
     def sync(self, step: int) -> dict:
+        return self._push_weights("generate", step, self.s.cfg)
+
+    def _push_weights(self, cmd: str, step: int, cfg) -> dict:
+        """The command, then the trainer's weights (AQN as `cfg` says) to the engines, and their audit."""
         s = self.s
         t0 = time.perf_counter()
-        sigma = set_trainer_aqn(s.trainer, s.cfg, step)
-        weights, hashes = trainer_payload(s.trainer, s.cfg)        # gathers a sharded trainer's weights
+        sigma = set_trainer_aqn(s.trainer, cfg, step)
+        weights, hashes = trainer_payload(s.trainer, cfg)        # gathers a sharded trainer's weights
         if dist.get_rank() != 0:
             return {"aqn/sigma": sigma}
         t1 = time.perf_counter()
         device = comm_device(self.group)
         spec = manifest(weights)
-        broadcast_object({"cmd": "generate", "step": step, "version": step, "eval": _is_eval_step(s.cfg, step),
-                          "weights": spec, "hashes": hashes}, src=0, group=self.group)
+        broadcast_object({"cmd": cmd, "step": step, "version": step, "weights": spec, "hashes": hashes}, src=0,
+                         group=self.group)
         sent = send_weights(weights, spec, 0, self.group, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -178,7 +183,6 @@ class RemoteRollouts:
         parts = gather_from_engines(None, self.place)
         samples = [x for p in parts for x in p["samples"]]
         rollouts = [x for p in parts for x in p["rollouts"]]
-        self._eval = parts[0]["eval"] or {}
         self._build_s = max(p["trace_build_s"] for p in parts)
         return samples, rollouts, {"rollout/s": max(p["generate_s"] for p in parts)}
 
@@ -198,7 +202,10 @@ class RemoteRollouts:
         pass
 
     def evaluate(self, step: int) -> dict:
-        return self._eval
+        """As ColocatedRollouts.evaluate: the weights after this step's updates, no AQN noise (engine 0 scores)."""
+        t0 = time.perf_counter()
+        self._push_weights("eval", step, noise_free(self.s.cfg))
+        return {**gather_from_engines(None, self.place)[0], "time/eval_s": time.perf_counter() - t0}
 
     def announce_save(self, step: int) -> None:
         """Tell the engine ranks to join the collective checkpoint write of `step` (trainer rank 0 sends)."""
@@ -241,21 +248,23 @@ def serve_rollouts(s, place) -> None:
             continue
         step = msg["step"]
         msg["weights"] = receive_weights(msg["weights"], 0, group, comm_device(group))
-        ok = _install(s.engine, msg, cfg)
+        ok = _install(s.engine, msg, cfg if msg["cmd"] == "generate" else noise_free(cfg))
         dist.all_reduce(torch.tensor([ok], device=comm_device(group)), op=dist.ReduceOp.MIN, group=group)
+        if msg["cmd"] == "eval":   # the weights after the step's updates: engine 0 scores the held-out set
+            gather_from_engines(evaluate(s.engine, s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens, s.reward_fn,
+                                         cfg.data.reward_time_limit_s) if me == 0 else None, place)
+            continue
         prompts = next(s.prompts)
         first, stop = engine_share(len(prompts), me, len(place.engine_ranks))
         samples = [p for p in prompts[first:stop] for _ in range(G)]
         t0 = time.perf_counter()
         rollouts = _generate_with_restarts(s, msg, samples, first * G) if samples else []
         generate_s = time.perf_counter() - t0
-        ev = (evaluate(s.engine, s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens, s.reward_fn,
-                       cfg.data.reward_time_limit_s) if me == 0 and msg["eval"] else None)
         t0 = time.perf_counter()
         cache = s.trace.build(rollouts, step, step, first_index=first * G)
         build_s = time.perf_counter() - t0
         light = [dataclasses.replace(r, trace={}) for r in rollouts]   # captures travel in the cache
-        gather_from_engines({"samples": samples, "rollouts": light, "eval": ev, "generate_s": generate_s,
+        gather_from_engines({"samples": samples, "rollouts": light, "generate_s": generate_s,
                              "trace_build_s": build_s}, place)
         if s.trace.enabled:
             exchange(cache, trace_specs(cfg, place, len(prompts) * G))
@@ -275,7 +284,10 @@ def _generate_with_restarts(s, msg: dict, samples: list, index_offset: int) -> l
 
     from .rollout_batch import encode_prompts
 
+    from .prompt_limits import check_encoded
+
     retries = s.cfg.rollout.max_generate_retries
+    check_encoded(encode_prompts(s.tokenizer, samples), s.cfg)   # an input error: a restart cannot fix it
     for attempt in range(retries + 1):
         try:
             if fault_inject.fires("engine_crash", msg["step"], dist.get_rank()):

@@ -20,6 +20,7 @@ from .guards import StepGuard
 from .losses import sft_loss
 from .rollout_batch import RolloutBatch, encode_prompts, sft_batch
 from .rollout_service import build_rollouts, engine_share, from_bytes, to_bytes
+from megatron_qrl.run_dir import RunDirPlan
 from .run_state import complete_checkpoints, mark_latest, step_path
 from .trace_bridge import TraceBridge
 from .weight_sync import check_rl_layout
@@ -52,6 +53,7 @@ class RunSetup:
         from megatron_qrl.trainer import Trainer
 
         check_rl_layout(cfg)
+        t0 = time.perf_counter()
         tokenizer, train_set, eval_set = prepare_inputs(cfg)   # checked before any process group or file
         # disaggregated: engines wait in a collective while the trainers run the SFT warm start
         init_process_group(timeout_minutes=120 if cfg.rollout.placement == "disaggregated" else 10)
@@ -72,7 +74,21 @@ class RunSetup:
         s.placement = place
         s.rollouts = build_rollouts(s, place)
         s.guard = StepGuard(s) if trainer is not None else None   # engine ranks of a disaggregated job: none
+        _log.info("built in %.1f s: %s", time.perf_counter() - t0, s.describe())
         return s
+
+    def describe(self) -> str:
+        """One line for the log: model, layout, engine, data (what a reader checks first)."""
+        cfg, m, t = self.cfg, self.cfg.model, self.cfg.trainer
+        params = sum(p.numel() for c in self.trainer.model for p in c.parameters()) if self.trainer else 0
+        model = (f"{m.num_layers} layers, hidden {m.hidden_size}, " + (f"{m.num_experts} experts top-"
+                 f"{m.moe_router_topk}" if m.num_experts else "dense") + (f", {params / 1e6:.2f}M params on rank 0"
+                                                                         if params else ""))
+        layout = (f"TP{t.tensor_parallel} PP{t.pipeline_parallel} EP{t.expert_parallel} on "
+                  f"{dist.get_world_size()} rank(s)")
+        engine = f"{cfg.rollout.engine} engine ({cfg.rollout.placement}, {cfg.rollout.weights} {cfg.rollout.scheme})"
+        data = f"data {cfg.data.task} ({len(self.train_set)} train / {len(self.eval_set)} eval prompts)"
+        return f"model {model}; trainer {layout}, QAT {cfg.quant.format if cfg.quant.qat else 'off'}; {engine}; {data}"
 
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
         """The trainer's load; an engine rank of a disaggregated job joins the collective read (extra state only)."""
@@ -232,13 +248,14 @@ def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Ten
 
 
 # ------------------------------------------------------------------------------ resume / warm start
-def resume_or_warm_start(s: RunSetup) -> int:
-    """Resume from the newest complete checkpoint whose checksums verify (returns its step), else run the SFT
-    warm start (returns 0). A corrupt checkpoint is skipped with a warning (the next older one is used);
-    when every checkpoint is corrupt the run stops rather than silently start over."""
+def resume_or_warm_start(s: RunSetup, plan: Optional[RunDirPlan] = None) -> int:
+    """Resume from the checkpoint `latest` names (returns its step), falling back to older committed ones only
+    when its checksums fail (run_state.py has the rule); else load run.init_checkpoint's weights and run the SFT
+    warm start (returns 0). When every committed checkpoint is corrupt the run stops rather than start over."""
     from megatron_qrl.trainer.checkpoint import CheckpointCorrupt
 
     cfg = s.cfg
+    plan = plan or RunDirPlan(cfg.run.output_dir, cfg.run.resume, cfg.run.total_steps)
     candidates = complete_checkpoints(cfg.run.output_dir) if cfg.run.resume else []
     for path in candidates:
         try:
@@ -248,17 +265,23 @@ def resume_or_warm_start(s: RunSetup) -> int:
             s.extra.setdefault("corrupt_checkpoints", []).append(str(path))
             continue
         s.prompts.load_state_dict(extra["data"])
+        _log.info("%s", plan.resume_line(path).replace("resume from", "resuming from", 1))
+        s.extra.update(saved_step=int(extra["step"]), last_checkpoint=str(path))   # nothing to save at that step
         return int(extra["step"])
     if candidates:
-        raise RuntimeError(f"every checkpoint in {cfg.run.output_dir}/checkpoints is corrupt "
-                           f"({', '.join(p.name for p in candidates)}); restore one from a copy, or start over with "
-                           "run.resume=false (or another run.output_dir)")
+        raise CheckpointCorrupt(f"every checkpoint in {cfg.run.output_dir}/checkpoints is corrupt "
+                                f"({', '.join(p.name for p in candidates)}); restore one from a copy, or start over "
+                                "with run.resume=false (or another run.output_dir)")
     if cfg.run.init_checkpoint:  # weights only (a converted HF model or another run's checkpoint)
         s.load_checkpoint(cfg.run.init_checkpoint, load_optimizer=False)
+        _log.info("new run in %s from the weights of %s", cfg.run.output_dir, cfg.run.init_checkpoint)
     elif cfg.model.hf_path and s.trainer is not None:   # the model directory's safetensors, into every shard
         from megatron_qrl.convert.load_hf import load_hf_weights
 
         load_hf_weights(s.trainer, cfg.model.hf_path)
+        _log.info("new run in %s from the Hugging Face weights of %s", cfg.run.output_dir, cfg.model.hf_path)
+    else:
+        _log.info("new run in %s", cfg.run.output_dir)
     if cfg.run.sft_steps and s.trainer is not None:
         sft_warm_start(s)
     return 0
@@ -267,7 +290,7 @@ def resume_or_warm_start(s: RunSetup) -> int:
 def sft_warm_start(s: RunSetup) -> None:
     """Supervised steps on the task's reference responses at a constant run.sft_lr; the RL LR schedule then
     starts from its beginning (the scheduler's state is restored afterwards)."""
-    from megatron_qrl.logging import progress_bar
+    from megatron_qrl.logging import ProgressLines, progress_bar
 
     cfg, sched = s.cfg, s.trainer.scheduler
     lr = cfg.run.sft_lr or cfg.trainer.lr
@@ -278,10 +301,13 @@ def sft_warm_start(s: RunSetup) -> None:
         g["max_lr"] = g["min_lr"] = lr
     sched.step(increment=0)
     bs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    lines = ProgressLines("SFT warm start", cfg.run.sft_steps)
+    _log.info("SFT warm start: %d steps of %d reference responses at lr %g", cfg.run.sft_steps, bs, lr)
     for i in progress_bar(range(cfg.run.sft_steps), desc="SFT warm start", rank=dist.get_rank(), unit="step"):
         rows = [s.train_set[(i * bs + j) % len(s.train_set)] for j in range(bs)]
         stats = s.trainer.train_step(sft_batch(rows, s.tokenizer), sft_loss)
         s.extra["sft/loss"] = stats.get("sft/loss")
+        lines.update(i + 1, loss=s.extra["sft/loss"])
     sched.max_lr, sched.min_lr, sched.num_steps, group_lrs = saved
     for g, (hi, lo) in zip(groups, group_lrs):
         for key, value in (("max_lr", hi), ("min_lr", lo)):
@@ -293,19 +319,32 @@ def sft_warm_start(s: RunSetup) -> None:
 
 
 def save_checkpoint(s: RunSetup, step: int) -> str:
+    """The checkpoint after `step` RL steps, once per step and process; `latest` moves to it last (run_state.py).
+    A failed write leaves no partial directory behind; a full disk raises DiskFull (checkpoint_write)."""
+    from megatron_qrl import fault_inject
+
+    from .checkpoint_write import checkpoint_write
+
+    if s.trainer is not None and s.extra.get("saved_step") == step:   # written already, or loaded by resume
+        # (engine ranks of a disaggregated job save when trainer rank 0 announces it: always)
+        return s.extra["last_checkpoint"]
     path = step_path(s.cfg.run.output_dir, step)
-    if path.exists() and str(path) not in s.extra.get("corrupt_checkpoints", ()):  # a corrupt one is rewritten
-        return str(path)
     if hasattr(s.rollouts, "announce_save"):   # disaggregated: engine ranks join the collective write
         s.rollouts.announce_save(step)
     extra = {"step": step, "data": s.prompts.state_dict()}
-    if s.trainer is None:   # an engine rank of a disaggregated job joins the collective write
-        from megatron_qrl.trainer import checkpoint as ckpt
+    t0 = time.perf_counter()
+    with checkpoint_write(path):
+        if s.trainer is None:   # an engine rank of a disaggregated job joins the collective write
+            from megatron_qrl.trainer import checkpoint as ckpt
 
-        ckpt.save(None, str(path), extra)
-    else:
-        s.trainer.save(str(path), extra)
+            ckpt.save(None, str(path), extra)
+        else:
+            s.trainer.save(str(path), extra)
+    fault_inject.kill("kill_before_latest", step - 1, dist.get_rank())     # tests: saved, not yet committed
     if dist.get_rank() == 0:
         mark_latest(s.cfg.run.output_dir, path)
     dist.barrier()
+    _log.info("checkpoint %s written in %.1f s: %s", path.name, time.perf_counter() - t0, path)
+    s.extra.update(saved_step=step, last_checkpoint=str(path))
+    fault_inject.kill("kill_after_checkpoint", step - 1, dist.get_rank())  # tests: committed, next step not begun
     return str(path)

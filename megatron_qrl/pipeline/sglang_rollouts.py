@@ -95,14 +95,14 @@ class SGLangServerRollouts:
     def __init__(self, s):
         self.s = s
 
-    def sync(self, step: int) -> dict:
-        s = self.s
+    def sync(self, step: int, cfg=None) -> dict:
+        s, cfg = self.s, cfg or self.s.cfg
         t0 = time.perf_counter()
-        sigma = set_trainer_aqn(s.trainer, s.cfg, step)
-        weights, hashes = trainer_payload(s.trainer, s.cfg)        # collective over the trainer ranks
+        sigma = set_trainer_aqn(s.trainer, cfg, step)
+        weights, hashes = trainer_payload(s.trainer, cfg)        # collective over the trainer ranks
         if dist.get_rank() != 0:
             return {"aqn/sigma": sigma}
-        add_aqn_noise(weights, hashes, s.cfg, sigma, aqn_seed(s.cfg.run.seed, step))
+        add_aqn_noise(weights, hashes, cfg, sigma, aqn_seed(cfg.run.seed, step))
         s.engine.retained_update = (weights, hashes, step)      # for a restart during this step's generation
         return _install(s.engine, weights, hashes, step, sigma, t0)
 
@@ -130,12 +130,15 @@ class SGLangServerRollouts:
     def evaluate(self, step: int) -> dict:
         from .evaluate import evaluate
         from .rollout_service import broadcast_object
+        from .weight_sync import noise_free
 
         s = self.s
+        self.sync(step, noise_free(s.cfg))   # the weights after this step's updates, no AQN: as `qrl eval`
         m: Optional[dict] = None
         if dist.get_rank() == 0:
             m = evaluate(s.engine, s.tokenizer, s.eval_set, s.cfg.rollout.max_new_tokens, s.reward_fn,
                          s.cfg.data.reward_time_limit_s)
+        self.idle()                          # the evaluation's payload is not kept for a restart either
         return broadcast_object(m, src=0) if dist.get_world_size() > 1 else m
 
     def __enter__(self):

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_qrl.config import ConfigError
 from megatron_qrl.models import clear_aqn_noise, set_aqn_noise
 from megatron_qrl.rl import aqn_sigma
 
@@ -32,18 +33,18 @@ def is_sharded(cfg) -> bool:
 def check_rl_layout(cfg) -> None:
     """Layouts the RL loop runs: any trainer layout with embedded engines, colocated or disaggregated."""
     if cfg.lora.enabled and cfg.rollout.placement == "disaggregated":
-        raise ValueError("lora.enabled with rollout.placement=disaggregated is not implemented (the adapters-only "
+        raise ConfigError("lora.enabled with rollout.placement=disaggregated is not implemented (the adapters-only "
                          "sync runs in-process): use rollout.placement=colocated for QeRL mode")
     t = cfg.trainer
     colocated_sharded = is_sharded(cfg) and cfg.rollout.placement == "colocated"
     if colocated_sharded and (cfg.lora.enabled or cfg.rollout.engine != "embedded"):
         what = "lora.enabled" if cfg.lora.enabled else f"rollout.engine={cfg.rollout.engine}"
-        raise ValueError(
+        raise ConfigError(
             f"{what} with a sharded colocated trainer (trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel="
             f"{t.pipeline_parallel}, expert_parallel={t.expert_parallel}) is not implemented: use data parallelism "
             "only, or rollout.placement=disaggregated")
     if t.expert_parallel > 1 and t.tensor_parallel > 1 and cfg.trace.enabled:
-        raise ValueError("TRACE replay under trainer.expert_parallel>1 together with tensor_parallel>1 is not "
+        raise ConfigError("TRACE replay under trainer.expert_parallel>1 together with tensor_parallel>1 is not "
                          "implemented (each dispatch source holds a sequence shard; trace/lookup.py ExpertSources): "
                          "set trace.enabled=false or trainer.tensor_parallel=1")
 
@@ -55,6 +56,11 @@ def aqn_seed(run_seed: int, step: int) -> int:
 def step_aqn_sigma(cfg, step: int) -> float:
     """This step's AQN noise std (0 when AQN is off)."""
     return aqn_sigma(step, cfg.run.total_steps, cfg.aqn) if cfg.aqn.enabled else 0.0
+
+
+def noise_free(cfg):
+    """The config with AQN off: evaluation scores the policy itself, as `qrl eval` of its checkpoint does."""
+    return cfg.model_copy(update={"aqn": cfg.aqn.model_copy(update={"enabled": False})})
 
 
 def holds_digests(held, hashes) -> float:

@@ -116,6 +116,19 @@ def test_failed_engine_is_restarted_and_the_batch_retried_identically(s, monkeyp
         s.guard.generate(prompts, s.sampling(41), 41)
 
 
+def test_a_prompt_longer_than_the_context_is_an_input_error_and_never_restarts_the_engine(s):
+    from megatron_qrl.errors import PromptTooLong
+    from megatron_qrl.pipeline import encode_prompts
+
+    prompts = encode_prompts(s.tokenizer, next(s.prompts))
+    prompts[1] = prompts[1] * 40   # 40x the prompt: far beyond max_sequence_length - max_new_tokens
+    engine, restarts = s.engine, s.guard.engine_restarts
+    with pytest.raises(PromptTooLong, match=r"1 prompt\(s\) of this batch are longer than the 58 tokens .* raise "
+                                            r"model.max_sequence_length \(64\)"):
+        s.guard.generate(prompts, s.sampling(42), 42)
+    assert s.engine is engine and s.guard.engine_restarts == restarts
+
+
 def test_checkpoint_checksums_catch_a_flipped_byte_and_a_missing_file(s, tmp_path):
     from megatron_qrl.trainer.checkpoint import CheckpointCorrupt
 

@@ -1,6 +1,7 @@
 """Invalid configurations through the real entry point (`qrl train --config ... overrides`): each one fails
-before any process group starts (torch.distributed.init_process_group is made to fail loudly if reached), with a
-message naming the field and the fix. docs/RELIABILITY.md carries this table (test_doc_lists_every_row)."""
+before any process group starts (torch.distributed.init_process_group is made to fail loudly if reached), with one
+message naming the field and the fix, no traceback, exit status 2 (megatron_qrl/errors.py).
+docs/RELIABILITY.md carries this table (test_doc_lists_every_row)."""
 import pytest
 import torch.distributed as dist
 
@@ -62,29 +63,36 @@ def no_process_group(monkeypatch):
         monkeypatch.delenv(k, raising=False)
 
 
+def _rejected(argv, capsys) -> str:
+    """main(argv) must exit 2 with one `qrl train: error:` message and no traceback; returns the message."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("qrl train: error:") == 1 and "Traceback" not in err, err
+    return err
+
+
 @pytest.mark.parametrize("overrides,field,fix", ROWS, ids=[" ".join(r[0]) for r in ROWS])
-def test_invalid_config_fails_before_process_groups_naming_field_and_fix(overrides, field, fix, tmp_path):
-    with pytest.raises(ValueError) as err:  # ConfigError is a ValueError
-        main(["train", "--config", TINY, f"run.output_dir={tmp_path}", *overrides])
-    msg = str(err.value)
+def test_invalid_config_fails_before_process_groups_naming_field_and_fix(overrides, field, fix, tmp_path, capsys):
+    msg = _rejected(["train", "--config", TINY, f"run.output_dir={tmp_path}", *overrides], capsys)
     assert field in msg and fix in msg, msg
 
 
-def test_layout_that_cannot_tile_the_world_fails_before_process_groups(monkeypatch):
+def test_layout_that_cannot_tile_the_world_fails_before_process_groups(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")   # 3 trainer ranks + 1 engine rank
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
-    with pytest.raises(ValueError, match=r"trainer.tensor_parallel\*trainer.pipeline_parallel \(2\) must divide "
-                                         r"the number of trainer ranks \(3\); change the layout or the process count"):
-        main(["train", "--config", TINY, "run.output_dir=/nonexistent/never-written", "trainer.tensor_parallel=2",
-              "rollout.placement=disaggregated"])
+    msg = _rejected(["train", "--config", TINY, "run.output_dir=/nonexistent/never-written",
+                     "trainer.tensor_parallel=2", "rollout.placement=disaggregated"], capsys)
+    assert ("trainer.tensor_parallel*trainer.pipeline_parallel (2) must divide the number of trainer ranks (3); "
+            "change the layout or the process count") in msg
 
 
-def test_missing_config_file_names_the_fix():
-    with pytest.raises(ValueError, match="does not exist; pass --config configs/tiny_cpu.yaml"):
-        main(["train", "--config", "/nonexistent.yaml"])
+def test_missing_config_file_names_the_fix(capsys):
+    assert "does not exist; pass --config configs/tiny_cpu.yaml" in _rejected(["train", "--config",
+                                                                                "/nonexistent.yaml"], capsys)
 
 
 def test_doc_lists_every_row():
