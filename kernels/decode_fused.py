@@ -231,6 +231,8 @@ def qk_norm_rope_cache(mixed: torch.Tensor, q_weight: Optional[torch.Tensor], k_
     rot = cos.shape[-1]
     if cos.shape != sin.shape or cos.dim() != 2 or rot % 2 or rot > D or cos.stride() != sin.stride():
         raise ValueError(f"cos / sin must be [max_len, even rot_dim <= {D}], got {tuple(cos.shape)}")
+    if cos.dtype != mixed.dtype or sin.dtype != mixed.dtype:
+        raise ValueError(f"cos / sin must be in the model dtype {mixed.dtype} (RoPE rounds them to it)")
     if (k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != (G, D)
             or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.stride(2) != D):
         raise ValueError(f"caches must be [S, L, {G}, {D}] with contiguous heads, got {tuple(k_cache.shape)}")

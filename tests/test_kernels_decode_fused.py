@@ -203,3 +203,75 @@ def test_qk_norm_rope_cache_rejects_bad_layouts():
         qk_norm_rope_cache(k_cache=cache, v_cache=cache.clone(), **dict(case, k_weight=None))
     with pytest.raises(ValueError, match="caches"):
         qk_norm_rope_cache(k_cache=cache.transpose(2, 3), v_cache=cache.transpose(2, 3), **case)
+
+
+# ------------------------------------------------------------------------------- inside DecodeModel
+@pytest.fixture(scope="module")
+def source_model():
+    from megatron_qrl.platform import init_distributed, teardown
+
+    from test_rollout_engine import make_cfg
+
+    cfg = make_cfg()
+    init_distributed(cfg)
+    from megatron_qrl.models import build_model
+
+    torch.manual_seed(0)
+    yield build_model(cfg)[0]
+    teardown()
+
+
+def _decode_models(source_model, **kw):
+    """(fused, unfused): the kernel-path DecodeModel of a static engine, and a copy with the fused kernels off
+    (torch norms, RoPE and cache writes; same experts and attention kernel) over its own copy of the cache."""
+    import copy
+
+    from megatron_qrl.rollout.decode_path import build_graph_loop
+
+    from test_rollout_static import engine
+
+    eng = engine(source_model, "static", kernels="on", weights="nvfp4", scheme="w4a16", **kw)
+    fused = build_graph_loop(eng, "static").model
+    g = _gen(11)
+    for t in fused.cache.keys + fused.cache.values:         # a history for the attention to read
+        t.copy_(torch.randn(t.shape, generator=g))
+    unfused = copy.copy(fused)
+    unfused.fused_norms = unfused.fused_qkv = False
+    unfused.cache = copy.copy(fused.cache)
+    unfused.cache.keys = [k.clone() for k in fused.cache.keys]
+    unfused.cache.values = [v.clone() for v in fused.cache.values]
+    return eng, fused, unfused
+
+
+def _step_both(fused, unfused):
+    tokens, positions = torch.tensor([5, 17, 40]), torch.tensor([9, 0, 30])
+    slots, active = torch.tensor([2, 0, 4]), torch.tensor([True, True, False])   # row 2: the scratch slot
+    (a, ra), (b, rb) = (m.forward(tokens, positions, slots, active) for m in (fused, unfused))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ra.routed, rb.routed)
+    for x, y in zip(fused.cache.keys + fused.cache.values, unfused.cache.keys + unfused.cache.values):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    return a
+
+
+def test_decode_model_fused_path_equals_torch_path_and_sees_updates(source_model):
+    """The fused kernels inside DecodeModel.forward against its torch code; weights and AQN noise changed in
+    place afterwards reach the fused path (read at call time, as captured graphs need)."""
+    eng, fused, unfused = _decode_models(source_model)
+    assert fused.fused_norms and fused.fused_qkv and not unfused.fused_qkv
+    before = _step_both(fused, unfused)
+    eng.set_aqn_noise(0.05, seed=1)
+    layer = eng.model.decoder.layers[0]
+    with torch.no_grad():
+        layer.self_attention.q_layernorm.weight.mul_(1.5)
+        eng.model.decoder.final_layernorm.weight.add_(0.25)
+    after = _step_both(fused, unfused)
+    assert float(layer.input_layernorm.aqn_noise.abs().max()) > 0
+    assert not torch.allclose(before, after)
+
+
+def test_decode_model_keeps_torch_cache_writes_for_quantized_kv(source_model):
+    """fp8 / fp4 KV caches keep the torch QK-norm + RoPE + quantizing write; the norms still fuse."""
+    _, fused, unfused = _decode_models(source_model, kv_cache="fp8")
+    assert fused.fused_norms and not fused.fused_qkv
+    _step_both(fused, unfused)
