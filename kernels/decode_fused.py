@@ -148,8 +148,7 @@ def add_rmsnorm_reference(x, weight, noise, eps, residual=None) -> tuple[torch.T
 @triton.jit
 def _qk_norm_rope_cache_kernel(mixed_ptr, qw_ptr, kw_ptr, qz_ptr, kz_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr,
                                kc_ptr, vc_ptr, q_ptr, eps, stride_mixed, stride_rope, stride_slot, stride_pos,
-                               NUM_HEADS, NUM_GROUPS,
-                               HPG: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                               NUM_HEADS, HPG: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                                ROT: tl.constexpr, NORM: tl.constexpr, Q_NOISE: tl.constexpr,
                                K_NOISE: tl.constexpr, RNE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -247,7 +246,7 @@ def qk_norm_rope_cache(mixed: torch.Tensor, q_weight: Optional[torch.Tensor], k_
     _qk_norm_rope_cache_kernel[(B, G)](
         m, qw, kw, q_noise if q_noise is not None else qw, k_noise if k_noise is not None else kw, cos, sin,
         positions, slots, k_cache, v_cache, q, float(eps), m.stride(0), cos.stride(0), k_cache.stride(0),
-        k_cache.stride(1), num_heads, G, HPG=hpg, ROWS=triton.next_power_of_2(hpg + 1), D=D,
+        k_cache.stride(1), num_heads, HPG=hpg, ROWS=triton.next_power_of_2(hpg + 1), D=D,
         D_PAD=triton.next_power_of_2(D), ROT=rot, NORM=norm, Q_NOISE=norm and q_noise is not None,
         K_NOISE=norm and k_noise is not None, RNE=INTERPRET, num_warps=4)
     return q
