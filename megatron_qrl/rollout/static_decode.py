@@ -7,7 +7,11 @@ depends on data. What it reuses and what it replaces (DESIGN.md "GPU execution")
 - reused: the model's parameter tensors (no copies; in-place weight updates reach captured graphs), its
   RMSNorm modules (AQN noise included), Megatron's RoPE function and top-k routing function, the KV cache;
 - replaced: core attention (a decode kernel over the cache, kernels/cache_attention.py, or the eager
-  engine's own `attend` on the reference path), the MoE dispatcher and experts (decode_experts.py).
+  engine's own `attend` on the reference path), the MoE dispatcher and experts (decode_experts.py);
+- fused on the kernel path (kernels/decode_fused.py, same numerics as the torch code it replaces): each
+  residual add with the RMSNorm after it, the embedding gather with the first norm, and QK-norm + RoPE +
+  the K/V cache write (bf16 KV cache) in one launch. The norms' weights and AQN noise are read from the
+  modules at every call, so in-place updates and fresh AQN draws reach captured graphs.
 The eager engine's Megatron forward stays the reference; tests/test_rollout_static.py checks tokens,
 log-probs, routed experts and TRACE captures against it.
 
@@ -83,6 +87,26 @@ class DecodeModel:
         self.scales = [softmax_scale_of(layer.self_attention.core_attention, self.head_dim) for layer in self.layers]
         self.rope = model.rotary_pos_emb(cache.max_len)                    # [max_len, 1, 1, rot_dim] float32
         self.moe = [isinstance(layer.mlp, MoELayer) for layer in self.layers]
+        self.fused_norms, self.fused_qkv = self._fusable() if kernel_attention else (False, False)
+        if self.fused_norms or self.fused_qkv:
+            from megatron_qrl.kernels import decode_fused
+
+            self._fused = decode_fused
+        if self.fused_qkv:                          # cos/sin once, in the model dtype (as RoPE casts them)
+            self.cos, self.sin = decode_fused.rope_tables(self.rope, model.embedding.word_embeddings.weight.dtype)
+
+    def _fusable(self) -> tuple[bool, bool]:
+        """(norms, QK-norm + RoPE + cache write): which parts the fused kernels can take over."""
+        from megatron_qrl.models.aqn_norm import RMSNorm
+
+        norms = [self.final_norm] + [n for lay in self.layers for n in (lay.input_layernorm, lay.pre_mlp_layernorm)]
+        fused_norms = all(isinstance(n, RMSNorm) for n in norms)
+        qk = [(lay.self_attention.q_layernorm, lay.self_attention.k_layernorm) for lay in self.layers]
+        qk_ok = all((q is None and k is None) or (isinstance(q, RMSNorm) and isinstance(k, RMSNorm) and q.eps == k.eps)
+                    for q, k in qk)
+        fused_qkv = (qk_ok and self.cache.kv_format == "bf16" and not self.config.rotary_interleaved
+                     and not getattr(self.config, "multi_latent_attention", False))
+        return fused_norms, fused_qkv
 
     def output_weight(self) -> torch.Tensor:
         m = self.model
@@ -92,35 +116,64 @@ class DecodeModel:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor
                 ) -> tuple[torch.Tensor, StepRecords]:
         """tokens / positions / slots long [B], active bool [B] -> (float32 logits [B, V], records)."""
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
         records = StepRecords()
         routed = []
-        h = F.embedding(tokens, self.model.embedding.word_embeddings.weight)        # [B, hidden]
-        freqs = self.rope[positions]                                                # [B, 1, 1, rot_dim]
+        emb = self.model.embedding.word_embeddings.weight
+        if self.fused_norms:
+            first = self.layers[0].input_layernorm
+            x, h = self._fused.embed_rmsnorm(tokens, emb, first.weight, first.aqn_noise, first.eps)
+        else:
+            h = F.embedding(tokens, emb)                                            # [B, hidden]
+        freqs = None if self.fused_qkv else self.rope[positions]                   # [B, 1, 1, rot_dim]
         lens = positions + 1
+        delta = None                                # the last block's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             att = layer.self_attention
-            x = layer.input_layernorm(h)
-            q, k, v = self._qkv(att, x)
-            q = apply_rotary_pos_emb(q.unsqueeze(1), freqs, config=self.config).squeeze(1)
-            k = apply_rotary_pos_emb(k.unsqueeze(1), freqs, config=self.config).squeeze(1)
-            self._write_cache(i, slots, positions, k, v)
+            if i > 0 or not self.fused_norms:
+                x, h = self._add_norm(layer.input_layernorm, h, delta)
+            q = self._attention_input(i, att, x, positions, slots, freqs)
             o = self._attend(i, q, slots, lens, positions)
-            h = h + F.linear(o, att.linear_proj.weight)
-            x = layer.pre_mlp_layernorm(h)
+            x, h = self._add_norm(layer.pre_mlp_layernorm, h, F.linear(o, att.linear_proj.weight))
             if self.moe[i]:
-                y, ids, cap = self._moe(i, layer.mlp, x, active)
+                delta, ids, cap = self._moe(i, layer.mlp, x, active)
                 routed.append(ids.to(torch.int16))
                 if cap is not None:
                     records.trace[layer.layer_number - 1] = cap
             else:
-                y, _ = layer.mlp(x)
-            h = h + y
-        logits = F.linear(self.final_norm(h), self.output_weight()).float()
+                delta, _ = layer.mlp(x)
+        x, _ = self._add_norm(self.final_norm, h, delta)
+        logits = F.linear(x, self.output_weight()).float()
         if routed:
             records.routed = torch.stack(routed, dim=1)
         return logits, records
+
+    def _add_norm(self, norm, h: torch.Tensor, delta: Optional[torch.Tensor]):
+        """(norm(h + delta), h + delta), or (norm(h), h) without delta: the residual add and the norm after it."""
+        if self.fused_norms:
+            if delta is None:
+                return self._fused.add_rmsnorm(h, norm.weight, norm.aqn_noise, norm.eps)
+            return self._fused.add_rmsnorm(delta, norm.weight, norm.aqn_noise, norm.eps, residual=h)
+        if delta is not None:
+            h = h + delta
+        return norm(h), h
+
+    def _attention_input(self, i: int, att, x: torch.Tensor, positions, slots, freqs) -> torch.Tensor:
+        """QKV linear, QK-norm, RoPE and the K/V cache write of layer i; returns q [B, heads, head_dim]."""
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        if self.fused_qkv:
+            mixed = F.linear(x, att.linear_qkv.weight)
+            qn, kn = att.q_layernorm, att.k_layernorm
+            norm = qn is not None
+            return self._fused.qk_norm_rope_cache(
+                mixed, qn.weight if norm else None, kn.weight if norm else None, qn.eps if norm else 0.0, self.cos,
+                self.sin, positions, slots, self.cache.keys[i], self.cache.values[i], self.heads, self.groups,
+                self.head_dim, q_noise=qn.aqn_noise if norm else None, k_noise=kn.aqn_noise if norm else None)
+        q, k, v = self._qkv(att, x)
+        q = apply_rotary_pos_emb(q.unsqueeze(1), freqs, config=self.config).squeeze(1)
+        k = apply_rotary_pos_emb(k.unsqueeze(1), freqs, config=self.config).squeeze(1)
+        self._write_cache(i, slots, positions, k, v)
+        return q
 
     def _qkv(self, att, x: torch.Tensor):
         """Megatron's fused QKV layout: per query group [heads/groups queries, one key, one value]."""
