@@ -97,10 +97,12 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype, k: int, n: in
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                a = torch.zeros(16, k, device=device, dtype=dtype, requires_grad=True)
-                b = torch.zeros(2, n, k, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
-                torch._grouped_mm(a, b.transpose(-2, -1), offs=offs).sum().backward()
+                with torch.enable_grad():   # the first call may come from a no-grad forward (log-probs)
+                    a = torch.zeros(16, k, device=device, dtype=dtype, requires_grad=True)
+                    b = torch.zeros(2, n, k, device=device, dtype=dtype, requires_grad=True)
+                    offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+                    y = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+                    y.backward(torch.ones_like(y))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _GROUPED_OK[key] = ok
@@ -113,6 +115,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, layout: GroupLayout, force_
     E, N, K = w.shape
     if not force_loop and grouped_mm_available(x.device, x.dtype, K, N):
         y = torch._grouped_mm(layout.pad(x), w.transpose(-2, -1), offs=layout.offs)
+        if y.requires_grad:   # the grouped backward needs real strides (an expanded gradient, e.g. of a sum, has 0)
+            y.register_hook(lambda g: g.contiguous())
         return layout.unpad(y)
     parts = torch.split(x, layout.counts())
     return torch.cat([p @ w[e].t() for e, p in enumerate(parts)], dim=0)

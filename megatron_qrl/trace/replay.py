@@ -118,7 +118,8 @@ def replay_rows(x: torch.Tensor, guide, own_scales: torch.Tensor, fallback_shift
         n = x2.shape[0]
         own_gs = torch.as_tensor(own_scales, dtype=torch.float32, device=x.device)
         own_gs = own_gs.reshape(1, 1).expand(n, 1).contiguous() if own_gs.numel() == 1 else own_gs.reshape(n, 1)
-        bits, scales, gs = guide.bits, guide.scales, guide.global_scale
+        bits, scales = guide.bits.reshape(n, -1), guide.scales.reshape(n, -1)
+        gs = guide.global_scale.reshape(n, 1)
         counters = getattr(guide, "counters", None)
         own_bits = None
         if guide.any_missing or counters is not None:

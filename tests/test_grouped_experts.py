@@ -1,0 +1,81 @@
+"""Grouped FP4-QAT experts, device-side TRACE replay and device digests equal their references on CPU.
+
+One launch (tests/dist/grouped_experts.py, one rank, fp32) measures every section; the tests assert on its
+JSON. On CPU fp32 the grouped path and the per-expert reference compute the same function with the same
+operations, so log-probs, losses and gradients agree exactly (the tolerances below only absorb a future
+BLAS that blocks the grouped GEMM differently); tools/gpu_trainer.sh runs the same driver on an H200 in bf16.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch_ranks import run_ranks
+
+DIST = Path(__file__).parent / "dist"
+ATOL = 1e-5      # fp32 round-off, should a BLAS block the grouped GEMM differently
+GRAD_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grouped_experts") / "result.json"
+    run_ranks(1, DIST / "grouped_experts.py", out, "cpu", timeout=600)
+    data = json.loads(out.read_text())
+    errors = {k: v["error"] for k, v in data.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, json.dumps({k: data[k].get("traceback") for k in errors}, indent=1)
+    return data
+
+
+def test_grouped_gemm_equals_the_per_expert_loop(res):
+    g = res["gemm"]
+    assert g["grouped_mm_available"]          # torch._grouped_mm runs forward and backward here
+    for tag in ("align1_grouped", "align8_loop", "align8_grouped"):   # align 8: CUDA's padded group layout
+        assert max(g[tag].values()) < 1e-6, (tag, g[tag])
+
+
+def test_one_launch_over_all_experts_gives_each_experts_bytes(res):
+    c = res["codec"]
+    assert c["rows_nvfp4"] == 0.0 and c["rows_mxfp4"] == 0.0
+    assert c["weights_nvfp4_bytes_equal"] and c["weights_mxfp4_bytes_equal"]
+
+
+@pytest.mark.parametrize("case", ["qat_w4a4", "qat_w4a16", "qat_mxfp4", "qat_off", "qat_w4a4_padded"])
+def test_grouped_experts_match_the_per_expert_reference(res, case):
+    r = res["megatron"][case]
+    assert r["classes"] == ["QATSequentialMLP", "QATGroupedMLP"] and r["grouped_mm"]
+    assert r["logp"] < ATOL and r["loss_rel"] < 1e-6, r
+    assert r["grad_rel"] < GRAD_RTOL and r["expert_grad_rel"] < GRAD_RTOL and r["n_grads"] > 10, r
+    assert r["logp_after"] < ATOL and r["update_effect"] > 0.1, r   # the same update, and it really moves
+
+
+def test_device_trace_replay_equals_the_host_reference(res):
+    t = res["trace"]
+    assert set(t["cache_sites"]) == {"fc1", "fc2", "qkv", "proj"} and t["cache_rows"] > 0
+    host = t["sequential_host"]
+    assert host["missing_rows"] > 0 and host["code_mismatch_before"] > 0   # completion and measurement exercised
+    for k in ("grouped_device", "sequential_device"):
+        d = t[k]
+        assert d["logp_vs_host"] == 0.0
+        for m in ("guided_rows", "missing_rows", "code_mismatch_before", "code_mismatch_after", "fallback", "elements"):
+            assert d[m] == host[m], (k, m, d[m], host[m])
+
+
+def test_device_digests(res):
+    d = res["digests"]
+    assert d["equals_reference"] and d["device_equals_cpu"] and d["every_flipped_bit_detected"]
+    assert d["pack_weights_nvfp4_equal"] and d["pack_weights_mxfp4_equal"]
+    assert d["payload_digests_nvfp4_device_equals_cpu"] and d["payload_digests_mxfp4_device_equals_cpu"]
+    assert d["flipped_byte_refused"]
+
+
+def test_fused_guided_kernel_counts_mismatches_like_the_reference(res):
+    k = res["kernel"]
+    assert k["values_diff"] == 0.0 and k["fallback"][0] == k["fallback"][1] > 0 and k["mismatch"][0] == k["mismatch"][1]
+
+
+def test_weight_sync_reuses_the_qat_quantizers_bytes(res):
+    s = res["sync"]
+    assert s["reused"] == s["fp4_payloads"] > 0 and s["reused_bytes_equal_pack_weight"]
+    assert s["digests_recomputed_equal"] and s["forward_reuses_sync_quantization"]
