@@ -29,8 +29,6 @@ def capture_cache(trainer, batch: dict, layers: Optional[Iterable[int]] = None, 
     tokens = batch["tokens"]
     B, T = tokens.shape
     mb = trainer.cfg.trainer.micro_batch_size
-    if B % mb:
-        raise ValueError(f"capture_cache needs whole micro-batches: batch size {B} is not a multiple of {mb}")
     keep = None if layers is None else {int(x) for x in layers}
     builder = TraceCacheBuilder(version, step, fingerprint, layers=keep)
     for s0 in range(0, B, mb):
@@ -38,7 +36,8 @@ def capture_cache(trainer, batch: dict, layers: Optional[Iterable[int]] = None, 
                for k, v in batch.items() if k != "trace_guides"}
         ids = sub.get("r3_expert_ids")
         rows = MicroBatchGuides(None, T, ids)
-        local = torch.arange(sub["tokens"].shape[0])
+        n = sub["tokens"].shape[0]
+        local = torch.where(torch.arange(mb) < n, torch.arange(mb), -1)   # the trainer pads to mb rows (id -1)
         with capture_activations(trainer.unwrapped) as records:
             trainer.logprobs(sub)
         for rec in records:
@@ -51,7 +50,9 @@ def capture_cache(trainer, batch: dict, layers: Optional[Iterable[int]] = None, 
             if found is None:
                 continue
             samples, positions = found
-            builder.add_rows(key.layer, key.site, key.expert, samples + s0, positions,
-                             rec.bits.reshape(-1, rec.bits.shape[-1]), rec.scales.reshape(-1, rec.scales.shape[-1]),
-                             rec.global_scale)
+            real = torch.nonzero(samples >= 0).reshape(-1)                     # padding rows are never cached
+            at = real.to(rec.bits.device)
+            builder.add_rows(key.layer, key.site, key.expert, samples[real] + s0, positions[real],
+                             rec.bits.reshape(-1, rec.bits.shape[-1]).index_select(0, at),
+                             rec.scales.reshape(-1, rec.scales.shape[-1]).index_select(0, at), rec.global_scale)
     return builder.build()
