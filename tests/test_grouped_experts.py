@@ -24,6 +24,7 @@ def res(tmp_path_factory):
     run_ranks(1, DIST / "grouped_experts.py", out, "cpu", timeout=600)
     data = json.loads(out.read_text())
     errors = {k: v["error"] for k, v in data.items() if isinstance(v, dict) and "error" in v}
+    assert data["summary"]["ok"], data["summary"]
     assert not errors, json.dumps({k: data[k].get("traceback") for k in errors}, indent=1)
     return data
 
@@ -60,6 +61,11 @@ def test_device_trace_replay_equals_the_host_reference(res):
         assert d["logp_vs_host"] == 0.0
         for m in ("guided_rows", "missing_rows", "code_mismatch_before", "code_mismatch_after", "fallback", "elements"):
             assert d[m] == host[m], (k, m, d[m], host[m])
+
+
+def test_replaying_the_per_expert_capture_leaves_no_code_mismatch(res):
+    r = res["trace"]["replay_of_per_expert_capture"]
+    assert r["code_mismatch_after"] == 0.0 and r["fallback"] == 0 and r["elements"] > 0
 
 
 def test_device_digests(res):
