@@ -623,10 +623,22 @@ def bench(a) -> dict:
                  f"{res['modes']['on']['mode_wall_s']:.0f}s")
             res.setdefault("skipped", []).append(mode)
             continue
-        if a.isolate:
-            res["modes"][mode] = _run_child(a, mode, B, T, share)
-        else:
-            res["modes"][mode] = run_mode(a, mode, B, T, share)
+        try:
+            if a.isolate:
+                res["modes"][mode] = _run_child(a, mode, B, T, share)
+            else:
+                res["modes"][mode] = run_mode(a, mode, B, T, share)
+        except Exception as e:  # noqa: BLE001 -- record it and run the other modes (their numbers count)
+            import traceback
+
+            res.setdefault("failed", {})[mode] = {"error": f"{type(e).__name__}: {e}",
+                                                  "traceback": traceback.format_exc()[-4000:]}
+            _log(f"[{mode}] FAILED: {type(e).__name__}: {e}")
+            _write(out, res)
+            gc.collect()
+            if dev_type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         mm = res["modes"][mode]
         _log(f"[{mode}] median step {mm['step_s_median']:.4f}s over {mm['steps']} steps, "
              f"{mm['tokens_per_s']:,.0f} tokens/s, freed={mm['freed']}")
@@ -640,6 +652,8 @@ def bench(a) -> dict:
     _log("\n" + table(res))
     if out:
         _log(f"wrote {out}")
+    if res.get("failed"):
+        _log(f"modes that failed: {', '.join(res['failed'])} (errors in the JSON)")
     return res
 
 
@@ -717,8 +731,8 @@ def main(argv=None) -> int:
         raise SystemExit("--isolate launches its own processes; do not combine it with torchrun")
     if a.smoke:
         return 0 if smoke(a)["ok"] else 1
-    bench(a)
-    return 0
+    res = bench(a)
+    return 1 if res.get("failed") else 0
 
 
 if __name__ == "__main__":
