@@ -15,8 +15,9 @@ launches per layer. QATGroupedMLP computes the same function with
 The parameters are the experts' own linears (`local_experts.{j}.linear_fc1.weight`), so checkpoints, the
 converter, the rollout engine and weight sync see the same names. The per-expert code path stays the
 reference: the module runs it (QATSequentialMLP.forward) whenever the grouped path would not be the same
-function -- capture of activations (the engine's TRACE record), a guide provider without `for_experts`,
-LoRA experts, biases, probabilities applied on the input.
+function -- capture of activations (the engine's TRACE record), forward hooks on the expert linears (they
+observe each expert's call: calibration, tests), a guide provider without `for_experts`, LoRA experts,
+biases, probabilities applied on the input.
 """
 from __future__ import annotations
 
@@ -142,6 +143,13 @@ class _QuantizedWeights:
     fp4: list                             # per expert FP4Tensor (the same bytes the weight sync sends)
 
 
+def _global_module_hooks() -> bool:
+    """torch.nn.modules.module.register_module_forward(_pre)_hook hooks would miss the expert linears' calls."""
+    from torch.nn.modules import module as m
+
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks)
+
+
 # ------------------------------------------------------------------------------------------- the MLP
 class QATGroupedMLP(QATSequentialMLP):
     """QATSequentialMLP with grouped GEMMs and fused FP4 QAT (see the module docstring)."""
@@ -157,13 +165,15 @@ class QATGroupedMLP(QATSequentialMLP):
         c = self.config
         if c.moe_apply_probs_on_input or getattr(c, "fp8", None) or getattr(c, "fp4", None):
             return False
+        if _global_module_hooks():
+            return False
         for role, base in (("fc1", FP4ColumnParallelLinear), ("fc2", FP4RowParallelLinear)):
             lins = self._linears(role)
             first = lins[0]
             if not isinstance(first, base) or is_lora_linear(first) or first.bias is not None:
                 return False
-            if any(lin.site.capture_sink is not None for lin in lins):
-                return False      # the engine's TRACE capture records each expert's site: reference path
+            if any(lin.site.capture_sink is not None or lin._forward_pre_hooks or lin._forward_hooks for lin in lins):
+                return False      # capture (the engine's TRACE record) or hooks observe each expert's own call
             provider = first.site.guide_provider
             if provider is not None and not (hasattr(provider, "for_experts") and first.quant.format == "nvfp4"):
                 return False

@@ -115,12 +115,13 @@ def _stack_tables(cache: TraceCache, device, n_experts: int) -> dict:
         for k, e in zip(keys, entries):
             tok = cache.rowset_tokens(e.rowset)
             row_keys.append((k.layer * (n_experts + 1) + k.expert + 1) * n_tokens + tok)
+        src = entries[0].bits.device            # stack where the cache lives, then one copy to `device`
         kw8, kw16 = k_width // 8, k_width // BLOCK
-        bits = torch.cat([e.bits.to(device) for e in entries] + [torch.zeros(1, kw8, dtype=torch.uint8, device=device)])
-        scales = torch.cat([e.scales.to(device) for e in entries]
-                           + [torch.zeros(1, kw16, dtype=torch.uint8, device=device)])
-        gs = torch.cat([e.row_global_scales().to(device) for e in entries] + [torch.zeros(1, device=device)])
-        tables[name] = _Table(torch.cat(row_keys).to(device), bits, scales, gs, k_start, k_width)
+        bits = torch.cat([e.bits for e in entries] + [torch.zeros(1, kw8, dtype=torch.uint8, device=src)])
+        scales = torch.cat([e.scales for e in entries] + [torch.zeros(1, kw16, dtype=torch.uint8, device=src)])
+        gs = torch.cat([e.row_global_scales().to(src) for e in entries] + [torch.zeros(1, device=src)])
+        tables[name] = _Table(torch.cat(row_keys).to(device), bits.to(device), scales.to(device), gs.to(device),
+                              k_start, k_width)
     return tables
 
 
