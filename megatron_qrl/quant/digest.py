@@ -96,11 +96,11 @@ def _qh128_many(tensors: Sequence[torch.Tensor]) -> list[str]:
         words_per.append((b.numel() + pad) // 4)
     flat = torch.cat(raw) if len(raw) > 1 else raw[0].clone()
     words_all = flat.view(torch.int32)
-    counts = torch.tensor(words_per, dtype=torch.int64)
-    starts = torch.cumsum(counts, 0) - counts
-    seg_of = torch.repeat_interleave(torch.arange(len(tensors)), counts).to(device, non_blocking=True)
-    starts_dev = starts.to(device, non_blocking=True)
-    total = int(counts.sum())
+    total = sum(words_per)
+    counts = torch.tensor(words_per, dtype=torch.int64).to(device, non_blocking=True)
+    starts_dev = torch.cumsum(counts, 0) - counts
+    # segment of every word, built where the words are (output_size: no device->host read)
+    seg_of = torch.repeat_interleave(torch.arange(len(tensors), device=device), counts, output_size=total)
     sums = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
     for w0 in range(0, total, CHUNK_WORDS):
         w1 = min(total, w0 + CHUNK_WORDS)
