@@ -6,7 +6,6 @@ operations, so log-probs, losses and gradients agree exactly (the tolerances bel
 BLAS that blocks the grouped GEMM differently); tools/gpu_trainer.sh runs the same driver on an H200 in bf16.
 """
 import json
-import sys
 from pathlib import Path
 
 import pytest

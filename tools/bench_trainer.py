@@ -510,7 +510,8 @@ def table(res: dict) -> str:
         mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") else "-"
         lines.append(f"| {name} | {qs} | {m.get('moe_experts', '-')} | {m.get('micro_batch_size', '-')} | "
                      f"{m['step_s_median']:.4f} | {m['step_s_min']:.4f} | {m['cpu_s_median']:.4f} | "
-                     f"{m['tokens_per_s']:,.0f} | {mfu} | {m['logprobs_s']:.4f} | {mem} | {m['steps']} | {m['build_s']:.1f} |")
+                     f"{m['tokens_per_s']:,.0f} | {mfu} | {m['logprobs_s']:.4f} | {mem} | {m['steps']} | "
+                     f"{m['build_s']:.1f} |")
     r = res.get("ratio")
     if r:
         lines.append("")
@@ -531,17 +532,18 @@ def table(res: dict) -> str:
     for name, m in modes.items():
         t, sc = m.get("trace"), m.get("sync")
         if t and "ratio" in t:
-            lines.append(f"[{name}] log-probs with TRACE / without: {t['ratio']:.3f}x ({t['logprobs_trace_s']:.4f}s vs "
-                         f"{t['logprobs_s']:.4f}s, cached layers {t['cached_layers']}); target <= {TARGET_TRACE_RATIO}: "
-                         f"{'PASS' if t['ratio'] <= TARGET_TRACE_RATIO else 'FAIL'}; code mismatch "
-                         f"{t['code_mismatch_before']} -> {t['code_mismatch_after']}, fallback {t['guided_fallback']:.2e}")
+            lines.append(f"[{name}] log-probs with TRACE / without: {t['ratio']:.3f}x ({t['logprobs_trace_s']:.4f}s "
+                         f"vs {t['logprobs_s']:.4f}s, cached layers {t['cached_layers']}); target <= "
+                         f"{TARGET_TRACE_RATIO}: {'PASS' if t['ratio'] <= TARGET_TRACE_RATIO else 'FAIL'}; code "
+                         f"mismatch {t['code_mismatch_before']} -> {t['code_mismatch_after']}, fallback "
+                         f"{t['guided_fallback']:.2e}")
         elif t:
             lines.append(f"[{name}] TRACE extra failed: {t.get('error')}")
         if sc and "pack_digest_s" in sc:
             lines.append(f"[{name}] weight sync {sc['payload_mb']:.1f} MB: pack+digest {sc['pack_digest_s']:.4f}s "
                          f"(target <= {sc['target_s']}: {'PASS' if sc['meets_target'] else 'FAIL'}), engine re-check "
-                         f"{sc['verify_s']:.4f}s; previous path {sc['old_total_s']:.4f}s (pack {sc['old_pack_s']:.4f}s + "
-                         f"sha256 {sc['old_sha256_s']:.4f}s): {sc['speedup']:.1f}x")
+                         f"{sc['verify_s']:.4f}s; previous path {sc['old_total_s']:.4f}s (pack "
+                         f"{sc['old_pack_s']:.4f}s + sha256 {sc['old_sha256_s']:.4f}s): {sc['speedup']:.1f}x")
         elif sc:
             lines.append(f"[{name}] sync extra failed: {sc.get('error')}")
     mm = next(iter(modes.values()), None)

@@ -155,3 +155,8 @@ class WeightStore:
     def offload(self) -> None:
         """Move the packed payloads to host memory (colocated mode, while the trainer runs)."""
         self.entries = {n: p.to("cpu") for n, p in self.entries.items()}
+
+
+__all__ = ["DEFAULT_DIGEST", "DEVICE_DIGEST", "DIGEST_ALGORITHMS", "FP4_FORMATS", "FP4Tensor", "Payload", "WeightStore",
+           "digest_algorithm", "digest_problem", "digest_problems", "pack_state", "pack_weight", "pack_weights",
+           "payload_digest", "payload_digests", "payload_nbytes", "tensor_digest", "tensor_digests"]

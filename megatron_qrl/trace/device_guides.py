@@ -223,7 +223,8 @@ class BatchGuides:
     def _dense_index(self, name, sample_ids: torch.Tensor):
         """Dense sites: rows seq-major [s, b], the full sequence and (sequence parallel) this rank's shard."""
         dev = self.device
-        layers = torch.tensor(self._layers_of(name), dtype=torch.int64, device=dev)
+        layer_list = self._layers_of(name)
+        layers = torch.tensor(layer_list, dtype=torch.int64, device=dev)
         variants = [("full", self.seq_len, 0)]
         if self.sp:
             s_local = self.seq_len // self.tp_size
@@ -241,7 +242,7 @@ class BatchGuides:
             found_parts.append(found.reshape(-1))
             rows_n.append(torch.full((M * layers.numel(),), s_len * b, dtype=torch.int64, device=dev))
             miss_n.append((~found).sum(-1).reshape(-1))
-            labels += [(m, int(layer), None, variant) for m in range(M) for layer in layers.tolist()]
+            labels += [(m, layer, None, variant) for m in range(M) for layer in layer_list]
         cnt = torch.cat([torch.cat(rows_n), torch.cat(miss_n)])
         return torch.cat(idx_parts), torch.cat(found_parts), cnt, labels
 

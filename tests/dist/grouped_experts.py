@@ -1,6 +1,7 @@
 """Grouped FP4-QAT experts, device TRACE replay and device digests against their references, on one device.
 
-Run: python -m torch.distributed.run --nproc_per_node 1 --master_port P tests/dist/grouped_experts.py OUT.json [cpu|cuda]
+Run: python -m torch.distributed.run --nproc_per_node 1 --master_port P tests/dist/grouped_experts.py OUT.json \
+         [cpu|cuda] [section,section,...]
 Every section is independent (an exception is recorded as {"error": ...} and the others still run):
   gemm        grouped_linear (torch._grouped_mm, and the padded layout CUDA uses) == the per-expert loop
   codec       one launch over all experts' rows / weights == one launch per expert (bytes and values)
@@ -62,7 +63,8 @@ def gemm(dev, dtype) -> dict:
                 ref = got
                 continue
             tag = f"align{align}_{'loop' if loop else 'grouped'}"
-            out[tag] = {"y": reldiff(got[0], ref[0]), "grad_x": reldiff(got[1], ref[1]), "grad_w": reldiff(got[2], ref[2])}
+            out[tag] = {"y": reldiff(got[0], ref[0]), "grad_x": reldiff(got[1], ref[1]),
+                        "grad_w": reldiff(got[2], ref[2])}
     return out
 
 
@@ -109,7 +111,8 @@ def digests(dev) -> dict:
 
     g = torch.Generator().manual_seed(2)
     ts = [torch.randn(37, generator=g), torch.randn(5, 16, generator=g).bfloat16(), torch.tensor(3.0),
-          torch.randint(0, 255, (7,), generator=g).to(torch.uint8), torch.randn(9, 32, generator=g).to(torch.float8_e4m3fn),
+          torch.randint(0, 255, (7,), generator=g).to(torch.uint8),
+          torch.randn(9, 32, generator=g).to(torch.float8_e4m3fn),
           torch.randn(300, 40, generator=g)]
     on_dev = [t.to(dev) for t in ts]
     out = {"equals_reference": tensor_digests(on_dev) == [reference_qh128(t) for t in ts],
@@ -123,7 +126,8 @@ def digests(dev) -> dict:
             t[i] ^= (1 << bit)
             flips.append(tensor_digest(t) != base)
     out["every_flipped_bit_detected"] = all(flips)
-    ws = [(torch.randn(16, 64, generator=g) * s).to(dev) for s in (0.01, 1.0, 5.0)] + [torch.randn(8, 32, generator=g).to(dev)]
+    ws = [(torch.randn(16, 64, generator=g) * s).to(dev) for s in (0.01, 1.0, 5.0)]
+    ws.append(torch.randn(8, 32, generator=g).to(dev))
     for fmt in ("nvfp4", "mxfp4"):
         batch = pack_weights(ws, fmt)
         same = True
@@ -137,7 +141,8 @@ def digests(dev) -> dict:
         out[f"payload_digests_{fmt}_device_equals_cpu"] = payload_digests(batch) == payload_digests(
             [pack_weight(w.cpu(), fmt) for w in ws])
     # the engine's check refuses one flipped byte and installs the intact update
-    params = {"a": torch.nn.Parameter(torch.zeros(16, 64, device=dev)), "b": torch.nn.Parameter(torch.zeros(8, 32, device=dev))}
+    params = {"a": torch.nn.Parameter(torch.zeros(16, 64, device=dev)),
+              "b": torch.nn.Parameter(torch.zeros(8, 32, device=dev))}
     store = WeightStore(params, ["a"], "nvfp4")
     sent = {"a": pack_weights([ws[0]], "nvfp4")[0], "b": ws[3]}
     hashes = dict(zip(sent, payload_digests(list(sent.values()))))
@@ -288,7 +293,8 @@ def trace(dev) -> dict:
             guides = BatchGuides(cache, T, batch["r3_expert_ids"], metrics=metrics, local_experts=(0, n),
                                  num_experts=n, device=trainer.device)
         else:
-            guides = _MeasuringGuides(MicroBatchGuides(cache, T, batch["r3_expert_ids"], metrics=metrics), metrics, 0.25)
+            host = MicroBatchGuides(cache, T, batch["r3_expert_ids"], metrics=metrics)
+            guides = _MeasuringGuides(host, metrics, 0.25)
         t0 = time.perf_counter()
         lp = trainer.logprobs({**batch, "trace_guides": guides})
         seconds = time.perf_counter() - t0
@@ -296,7 +302,8 @@ def trace(dev) -> dict:
         m = metrics.as_dict()
         out[f"{impl}_{'device' if device_guides else 'host'}"] = {
             "logp": lp.cpu(), "seconds": seconds, "fallback": fb["guided_fallback"], "elements": fb["guided_elements"],
-            **{k.removeprefix("trace/"): v for k, v in m.items() if "mismatch" in k or "rows" in k or "misaligned" in k}}
+            **{k.removeprefix("trace/"): v for k, v in m.items()
+               if "mismatch" in k or "rows" in k or "misaligned" in k}}
         trainer = None
     ref = out["sequential_host"]
     for k in ("grouped_device", "sequential_device"):
@@ -435,7 +442,8 @@ def main() -> None:
         out_path.write_text(json.dumps(results, indent=1, default=str))
         print(f"[grouped_experts] {name}: {time.perf_counter() - t0:.1f}s", flush=True)
     for name, c in results["summary"]["checks"].items():
-        print(f"[grouped_experts] {'ok  ' if c['ok'] else 'FAIL'} {name}: {c['value']} (limit {c['limit']})", flush=True)
+        print(f"[grouped_experts] {'ok  ' if c['ok'] else 'FAIL'} {name}: {c['value']} (limit {c['limit']})",
+              flush=True)
     teardown()
 
 
