@@ -84,3 +84,15 @@ def test_weight_sync_reuses_the_qat_quantizers_bytes(res):
     s = res["sync"]
     assert s["reused"] == s["fp4_payloads"] > 0 and s["reused_bytes_equal_pack_weight"]
     assert s["digests_recomputed_equal"] and s["forward_reuses_sync_quantization"]
+
+
+def test_batched_row_global_scales_equal_each_entrys():
+    import torch
+
+    from megatron_qrl.trace.device_guides import _row_global_scales
+    from megatron_qrl.trace.synthetic import make_rollout
+
+    cache = make_rollout(num_samples=6, seq_len=12, prompt_len=4).build()
+    entries = list(cache.entries.values())
+    assert len({e.index_width for e in entries}) > 1        # several index widths in one batch
+    assert torch.equal(_row_global_scales(entries), torch.cat([e.row_global_scales() for e in entries]))

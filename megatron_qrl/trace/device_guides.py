@@ -97,6 +97,34 @@ class _Prepared:
     slices: dict          # (table name, layer, local expert or None, variant) -> _Slice
 
 
+def _row_global_scales(entries: list) -> torch.Tensor:
+    """fp32 [sum of rows]: TraceEntry.row_global_scales() of every entry, concatenated -- unpacked for all
+    entries at once where they live (a few launches instead of a few per entry, no host read)."""
+    from megatron_qrl.quant import unpack_bits
+
+    dev = entries[0].bits.device
+    as_dev = lambda values: torch.tensor(values, dtype=torch.int64).to(dev)  # noqa: E731
+    rows = as_dev([e.rows for e in entries])
+    widths = as_dev([e.index_width for e in entries])
+    n_bytes = as_dev([e.gs_index.numel() for e in entries])
+    n_table = as_dev([e.gs_table.numel() for e in entries])
+    total = sum(e.rows for e in entries)
+    wmax = max(e.index_width for e in entries)
+    entry = torch.repeat_interleave(torch.arange(len(entries), device=dev), rows, output_size=total)
+    local = torch.arange(total, device=dev) - (torch.cumsum(rows, 0) - rows).index_select(0, entry)
+    idx = torch.zeros(total, dtype=torch.int64, device=dev)
+    if wmax:
+        bits = unpack_bits(torch.cat([e.gs_index.reshape(-1).to(dev) for e in entries])).to(torch.int64)
+        j = torch.arange(wmax, device=dev)
+        w = widths.index_select(0, entry)[:, None]
+        first_bit = 8 * (torch.cumsum(n_bytes, 0) - n_bytes).index_select(0, entry)[:, None]
+        valid = j[None, :] < w
+        pos = torch.where(valid, first_bit + local[:, None] * w + j[None, :], torch.zeros_like(w))
+        idx = ((bits.index_select(0, pos.reshape(-1)).reshape(total, wmax) * valid) << j).sum(-1)
+    tables = torch.cat([e.gs_table.to(dev) for e in entries])
+    return tables.index_select(0, (torch.cumsum(n_table, 0) - n_table).index_select(0, entry) + idx)
+
+
 def _stack_tables(cache: TraceCache, device, n_experts: int) -> dict:
     """{(role, routed): _Table} over all entries of the cache."""
     n_tokens = max(1, cache.n_tokens)
@@ -119,7 +147,7 @@ def _stack_tables(cache: TraceCache, device, n_experts: int) -> dict:
         kw8, kw16 = k_width // 8, k_width // BLOCK
         bits = torch.cat([e.bits for e in entries] + [torch.zeros(1, kw8, dtype=torch.uint8, device=src)])
         scales = torch.cat([e.scales for e in entries] + [torch.zeros(1, kw16, dtype=torch.uint8, device=src)])
-        gs = torch.cat([e.row_global_scales().to(src) for e in entries] + [torch.zeros(1, device=src)])
+        gs = torch.cat([_row_global_scales(entries), torch.zeros(1, device=src)])
         tables[name] = _Table(torch.cat(row_keys).to(device), bits.to(device), scales.to(device), gs.to(device),
                               k_start, k_width)
     return tables
