@@ -96,3 +96,20 @@ def test_batched_row_global_scales_equal_each_entrys():
     entries = list(cache.entries.values())
     assert len({e.index_width for e in entries}) > 1        # several index widths in one batch
     assert torch.equal(_row_global_scales(entries), torch.cat([e.row_global_scales() for e in entries]))
+
+
+def test_device_guide_tables_hold_every_entry_in_key_order():
+    import torch
+
+    from megatron_qrl.trace.device_guides import _stack_tables
+    from megatron_qrl.trace.synthetic import make_rollout
+
+    cache = make_rollout(num_samples=6, seq_len=12, prompt_len=4).build()
+    tables = _stack_tables(cache, torch.device("cpu"), 8)
+    n = cache.n_tokens
+    for (site, routed), t in tables.items():
+        keys = [k for k in cache.keys() if (k.site, k.routed) == (site, routed)]
+        want = torch.cat([(k.layer * 9 + k.expert + 1) * n + cache.rowset_tokens(cache.entry(k).rowset) for k in keys])
+        assert torch.equal(t.keys, want) and bool((t.keys[1:] > t.keys[:-1]).all())      # searchsorted needs order
+        assert torch.equal(t.bits[:-1], torch.cat([cache.entry(k).bits for k in keys]))  # + the zero "missing" row
+        assert t.bits.shape[0] == t.missing_row + 1 and not t.bits[-1].any()

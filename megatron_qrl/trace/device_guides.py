@@ -128,6 +128,16 @@ def _row_global_scales(entries: list) -> torch.Tensor:
 def _stack_tables(cache: TraceCache, device, n_experts: int) -> dict:
     """{(role, routed): _Table} over all entries of the cache."""
     n_tokens = max(1, cache.n_tokens)
+    # the token indices of every row set at once (cache.rowset_tokens one by one is a host pass per set)
+    from megatron_qrl.quant import unpack_bits
+
+    masks = unpack_bits(cache.rowsets.cpu())[:, :cache.n_tokens].bool() if cache.rowsets.numel() else None
+    if masks is not None:
+        rowset_tok = torch.nonzero(masks)[:, 1]
+        rowset_len = masks.sum(1).tolist()
+        rowset_start = [0]
+        for n in rowset_len[:-1]:
+            rowset_start.append(rowset_start[-1] + n)
     groups: dict = {}
     for key in cache.keys():
         groups.setdefault((key.site, key.routed), []).append(key)
@@ -141,7 +151,7 @@ def _stack_tables(cache: TraceCache, device, n_experts: int) -> dict:
         k_start, k_width = geometry.pop()
         row_keys = []
         for k, e in zip(keys, entries):
-            tok = cache.rowset_tokens(e.rowset)
+            tok = rowset_tok[rowset_start[e.rowset]:rowset_start[e.rowset] + rowset_len[e.rowset]]
             row_keys.append((k.layer * (n_experts + 1) + k.expert + 1) * n_tokens + tok)
         src = entries[0].bits.device            # stack where the cache lives, then one copy to `device`
         kw8, kw16 = k_width // 8, k_width // BLOCK
