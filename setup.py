@@ -29,6 +29,10 @@ setup(
         "einops>=0.7",
         # megatron-core 0.19 imports triton at import time (moe/ops/paged_stash.py), on CPU too
         "triton>=3.6",
+        # model.hf_path: the model directory's tokenizer (AutoTokenizer) and chat template
+        "transformers>=4.51",
+        # data.task=math / data.reward=math_verify: symbolic answer checking (rl/rewards/math_verify_reward.py)
+        "math-verify>=0.9.0",
         f"{MEGATRON}; python_version>='3.12'",
     ],
     extras_require={

@@ -294,11 +294,12 @@ def moe_down(h: torch.Tensor, w2: PreparedFP4Weight, routing: MoERouting, topk_w
 
 def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, topk_ids: Optional[torch.Tensor],
               topk_weights: torch.Tensor, *, routing: Optional[MoERouting] = None,
-              gate_up_config: Optional[MoEConfig] = None, down_config: Optional[MoEConfig] = None
-              ) -> torch.Tensor:
+              gate_up_config: Optional[MoEConfig] = None, down_config: Optional[MoEConfig] = None,
+              combine: bool = True) -> torch.Tensor:
     """Routed-expert SwiGLU MLP: sum_j topk_w[t, j] * W2[e] (silu(W1[e] x_t) * W3[e] x_t), e = topk_ids[t, j].
 
-    x [T, H] bf16; w13 prepared [E, 2F, H] (gate rows first); w2 prepared [E, H, F]. Returns [T, H] bf16.
+    x [T, H] bf16; w13 prepared [E, 2F, H] (gate rows first); w2 prepared [E, H, F]. Returns [T, H] bf16, or
+    with combine=False the k weighted expert outputs [T, k, H] (bf16) for the caller to sum in its precision.
     Pass `routing` (from moe_align) to reuse one sort across layers that share the routing.
     """
     if w13.num_experts is None or w2.num_experts is None:
@@ -327,7 +328,7 @@ def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, to
     if h.dtype == torch.float16 and not (down_config.fp16_dot and w2.fmt == "nvfp4"):
         h = (h.float() * 256.0).to(torch.bfloat16)
     y = moe_down(h, w2, routing, topk_weights, down_config)
-    return y.view(t, k, -1).sum(dim=1)
+    return y.view(t, k, -1).sum(dim=1) if combine else y.view(t, k, -1)
 
 
 def _bk(k: int) -> int:

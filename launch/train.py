@@ -1,8 +1,8 @@
 """`qrl train --config C [overrides]` and `torchrun ... -m megatron_qrl.launch.train --config C`: the RL job.
 
-The whole cycle is `train()` below: sync -> generate -> rewards/advantages -> TRACE + R3 to the trainer
--> log-probs -> IS weights -> GRPO updates -> metrics -> eval / checkpoint. Everything else lives in
-small modules (megatron_qrl.pipeline, .trainer, .rollout, .rl, .trace).
+The whole cycle is `train()` below: sync -> generate -> rewards/advantages (DAPO refills) -> TRACE + R3 to
+the trainer -> log-probs (and the reference's, for a KL) -> IS weights -> GRPO updates -> metrics -> eval /
+checkpoint. Everything else lives in small modules (megatron_qrl.pipeline, .trainer, .rollout, .rl, .trace).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def train(cfg) -> dict:
     """Run (or resume) an RL job; returns the last step's metrics."""
     from megatron_qrl.launch.dist_env import discover
     from megatron_qrl.logging import MetricsLogger, progress_bar
-    from megatron_qrl.pipeline import (RunSetup, build_batch, check_job, grpo_loss, resume_or_warm_start,
-                                       save_checkpoint, serve_rollouts, trainer_batch)
+    from megatron_qrl.pipeline import (RunSetup, batch_collector, check_job, grpo_loss, reference_kl,
+                                       resume_or_warm_start, save_checkpoint, serve_rollouts, trainer_batch)
     from megatron_qrl.rl import is_weights
 
     env = discover()
@@ -37,6 +37,8 @@ def train(cfg) -> dict:
     s = RunSetup.build(cfg)                       # trainer, engine(s), tokenizer, data, reward, TRACE bridge
     s.save_config()                               # runs/NAME/config.yaml: what `qrl eval` reloads
     start = resume_or_warm_start(s)
+    kl = reference_kl(s, start)                   # frozen reference for rl.kl_coef > 0 (else a no-op)
+    collect = batch_collector(cfg)                # one generate call, or DAPO dynamic sampling
     last: dict = {}
     end = min(cfg.run.total_steps, start + (cfg.run.stop_after_steps or cfg.run.total_steps))
     r = s.rollouts                                # this rank's engine, or engine ranks elsewhere
@@ -48,9 +50,7 @@ def train(cfg) -> dict:
                                  desc="RL", rank=env.rank, unit="step"):
             t_step = time.perf_counter()
             m = r.sync(step)                                                   # FP4 bytes + digests, AQN draw
-            samples, rollouts, gen_m = r.generate(next(s.prompts), step)       # the whole batch on every rank
-            batch = build_batch(samples, rollouts, s.tokenizer, cfg.rollout.group_size,
-                                cfg.rl.normalize_std, s.reward_fn, cfg.data.reward_time_limit_s)
+            batch, gen_m = collect(s, r, step)                      # generate, rewards, advantages: every rank
             s.guard.check_batch(batch, step)                               # NaN/Inf: the updates will skip
             guides, trace_m = r.trace(batch, step)                             # this rank's TRACE cache
             r.idle()                                                           # colocated: free engine memory
@@ -58,11 +58,12 @@ def train(cfg) -> dict:
             logp_old = s.trainer.logprobs(trainer_batch(batch, guides))
             m["time/logprobs_s"] = time.perf_counter() - t_logp
             trace_m = {**s.trace.after_logprobs(), **trace_m}                             # code mismatch
+            batch, kl_m = kl.apply(batch, logp_old)              # reference log-probs: loss term or reward
             weights, is_m = is_weights(logp_old, batch.logp_rollout, batch.advantages, batch.loss_mask,
                                        cfg.rl.is_method, cfg.rl)
             for _ in range(cfg.rl.updates_per_batch):
                 train_m = s.trainer.train_step(trainer_batch(batch, guides, logp_old, weights), grpo_loss(cfg.rl))
-            m.update(s.step_metrics(batch, rollouts, gen_m["rollout/s"]), **gen_m, **is_m, **trace_m,
+            m.update(s.step_metrics(batch, batch.rollouts, gen_m["rollout/s"]), **gen_m, **is_m, **kl_m, **trace_m,
                      **s.guard.end_step(train_m), **{s.train_key(k): v for k, v in train_m.items()})
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
                 m.update(r.evaluate(step))

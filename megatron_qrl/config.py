@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -43,6 +43,19 @@ class ModelConfig(_Section):
     max_sequence_length: int = Field(128, ge=2)
     init_method_std: float = Field(0.02, gt=0)
     untie_embeddings_and_output_weights: bool = True
+    hf_path: Optional[str] = Field(None, description="local Hugging Face model directory: fills the fields above "
+                                   "from its config.json, gives the tokenizer and the initial weights "
+                                   "(docs/convert.md)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_hf_path(cls, data: Any):
+        """model.hf_path: config.json's architecture fields (a disagreeing field is an error naming both)."""
+        if isinstance(data, dict) and data.get("hf_path") is not None:
+            from megatron_qrl.convert.hf_model import model_section_from_hf
+
+            return model_section_from_hf(data)
+        return data
 
     @property
     def head_dim(self) -> int:
@@ -98,6 +111,11 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     max_batch_size: int = Field(256, ge=1, description="continuous batching: concurrent sequences")
+    decode: Literal["auto", "graphs", "static", "eager"] = Field(
+        "auto", description="embedded engine decode path: auto = CUDA graphs of the static decode step on a GPU "
+        "(eager Megatron steps otherwise), graphs, static (the same step without graphs), eager (the reference)")
+    decode_window: int = Field(16, ge=1, description="graph decode: steps between host checks (finished rows, "
+                               "admission of waiting prompts)")
     max_generate_retries: int = Field(2, ge=0, description="engine failures per step: restart the engine, "
                                       "re-sync weights and retry the batch this many times, then stop")
     seed: int = 0
@@ -121,23 +139,85 @@ class AISConfig(_Section):
     beta: float = Field(0.5, ge=0, description="weight of the variance penalty")
 
 
-class RLConfig(_Section):
-    """GRPO and the rollout/train mismatch correction (METHODS.md sections 4 and 7)."""
+class DynamicSamplingConfig(_Section):
+    """DAPO dynamic sampling: prompt groups whose rewards are all equal have zero advantage and carry no gradient;
+    they are dropped and more prompts are generated until the batch holds rollout.prompts_per_step groups."""
 
-    is_method: Literal["none", "tis", "mis", "icepop", "ais"] = "ais"
+    enabled: bool = Field(False, description="DAPO dynamic sampling: drop prompt groups whose rewards are all "
+                          "equal and generate more prompts to refill the batch (docs/rl.md)")
+    max_generate_calls: int = Field(4, ge=1, description="generate calls per step at most (the first included); "
+                                    "then the step trains on the groups kept so far")
+
+
+# peers' KL estimator names (verl) -> ours; the same table as megatron_qrl/rl/kl.py (config imports no torch)
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+class RLConfig(_Section):
+    """GRPO, the rollout/train mismatch correction, KL to a reference, DAPO options (METHODS.md 4, 7, 8)."""
+
+    is_method: Literal["none", "tis", "mis", "icepop", "ais"] = Field(
+        "ais", description="rollout/train mismatch correction: none, tis, mis, icepop or ais")
+    is_level: Literal["token", "seq", "geo"] = Field(
+        "token", description="unit of the IS correction: token; seq = response with the product of its token "
+        "ratios; geo = response with their geometric mean")
     ais: AISConfig = AISConfig()
     tis_C: float = Field(2.0, gt=0)
     mis_U: float = Field(2.0, gt=1)
-    mis_level: Literal["token", "sequence"] = "token"
+    mis_level: Literal["token", "sequence"] = Field(
+        "token", description="deprecated: sequence = rl.is_level=geo with rl.is_method=mis")
     icepop_low: float = Field(0.5, gt=0)
     icepop_high: float = Field(2.0, gt=0)
     clip_low: float = Field(0.2, ge=0, lt=1)
     clip_high: float = Field(0.28, ge=0)
-    kl_coef: float = Field(0.0, ge=0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="token-mean: every token weighs the same; seq-mean-token-mean: every response; "
+        "seq-mean-token-sum: response sums averaged over responses")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to a frozen reference policy; 0 = off (no "
+                           "reference is built)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="k1 = -l, k2 = l^2/2, k3 = e^l-1-l clipped to [-10, 10] (l = logp_ref - logp); "
+        "verl's kl / mse / low_var_kl are accepted")
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss", description="loss: kl_coef * KL term in the loss; reward: kl_coef * the response's summed KL "
+        "subtracted from its reward before the advantages")
+    kl_reference: Optional[str] = Field(
+        None, description="checkpoint directory whose weights are the reference; default: the initial policy "
+        "(the run writes it as checkpoints/step_000000 when it starts)")
+    kl_reference_offload: bool = Field(False, description="keep the reference weights in CPU memory between uses")
     normalize_std: bool = True
     updates_per_batch: int = Field(1, ge=1)
     mask_weight: Literal["rho", "one"] = Field(
         "rho", description="mis/icepop: weight of kept tokens (rho = masked IS, one = pure masking)")
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    overlong_buffer_len: int = Field(0, ge=0, description="DAPO soft overlong punishment: the reward falls by up "
+                                     "to overlong_penalty_factor over the last N tokens before "
+                                     "rollout.max_new_tokens; 0 = off")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="reward penalty at rollout.max_new_tokens")
+    mask_truncated: bool = Field(False, description="DAPO overlong filtering: responses cut at "
+                                 "rollout.max_new_tokens carry no loss")
+
+    @field_validator("kl_estimator", mode="before")
+    @classmethod
+    def _estimator(cls, name):
+        """Our names or peers' (verl's kl / mse / low_var_kl), case-insensitive."""
+        key = str(name).lower()
+        key = _KL_ALIASES.get(key, key)
+        if key not in ("k1", "k2", "k3"):
+            raise ValueError(f"unknown KL estimator {name!r}; choose k1, k2 or k3 (k3 = low_var_kl), e.g. "
+                             "rl.kl_estimator=k3")
+        return key
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mis_level_alias(cls, data):
+        """The deprecated mis_level=sequence means is_level=geo for MIS (what it always computed)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("mis_level") == "sequence" and data.get("is_method", "ais") == "mis" and "is_level" not in data:
+            data["is_level"] = "geo"
+        return data
 
     @model_validator(mode="after")
     def _icepop(self):
@@ -209,10 +289,20 @@ class R3Config(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["arithmetic", "countdown", "jsonl", "parquet", "gsm8k"] = "arithmetic"
+    """Prompts (synthetic tasks or local files), how they become token ids, and the verifier."""
+
+    task: Literal["arithmetic", "countdown", "jsonl", "parquet", "gsm8k", "math"] = "arithmetic"
     path: Optional[str] = None
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", description="prompt column (gsm8k reads 'question', math 'problem' when "
+                            "left at 'prompt')")
     answer_key: str = "answer"
+    response_key: Optional[str] = Field(None, description="jsonl/parquet: column of reference responses (the SFT "
+                                        "warm start's targets)")
+    chat_template: Optional[bool] = Field(None, description="wrap prompts in the tokenizer's chat template; default: "
+                                          "on when the model.hf_path tokenizer has one")
+    system_prompt: Optional[str] = Field(None, description="chat template: a system message before each prompt")
+    chat_template_kwargs: dict[str, Any] = Field({}, description="chat template: extra variables, e.g. "
+                                                 "{enable_thinking: false} for Qwen3")
     reward: Optional[str] = Field(None, description="user reward 'module:function'")
     eval_size: int = Field(64, ge=1)
     seed: int = 0
@@ -286,6 +376,10 @@ class QRLConfig(_Section):
         elif t.expert_parallel > 1:
             errs.append("trainer.expert_parallel > 1 needs an MoE model: set model.num_experts > 0 "
                         "or trainer.expert_parallel=1")
+        if not m.num_experts and self.quant.qat and self.quant.format != "bf16" and \
+                self.quant.targets == "routed_experts":
+            errs.append("quant.targets=routed_experts quantizes nothing in a dense model (model.num_experts=0): "
+                        "set quant.targets=all_linears (or quant.qat=false)")
         if t.sequence_parallel is False and t.tensor_parallel > 1 and m.num_experts:
             errs.append("trainer.sequence_parallel=false with tensor_parallel > 1 and MoE is not supported by "
                         "Megatron-Core; set trainer.sequence_parallel=true (or leave it unset)")
@@ -300,6 +394,7 @@ class QRLConfig(_Section):
                     errs.append(f"{name} ({size}, per TP shard {shard}) must be a multiple of the "
                                 f"{self.quant.format} block ({block}) for FP4 QAT; pad it or set quant.format=bf16")
         errs.extend(self._lora_checks())
+        errs.extend(self._rl_checks())
         nc = self.trace.num_cached_layers
         if nc is not None and nc > m.num_layers:
             errs.append(f"trace.num_cached_layers ({nc}) must be <= model.num_layers ({m.num_layers})")
@@ -318,8 +413,12 @@ class QRLConfig(_Section):
         if self.rollout.max_new_tokens + 8 > m.max_sequence_length:
             errs.append(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for prompts in "
                         f"model.max_sequence_length ({m.max_sequence_length}); raise the latter")
-        if self.data.task in ("jsonl", "parquet", "gsm8k") and not self.data.path:
+        if self.data.task in ("jsonl", "parquet", "gsm8k", "math") and not self.data.path:
             errs.append(f"data.task={self.data.task} reads a local file: set data.path=/path/to/file")
+        if not m.hf_path and (self.data.chat_template or self.data.system_prompt or self.data.chat_template_kwargs):
+            errs.append("data.chat_template / system_prompt / chat_template_kwargs need a tokenizer with a chat "
+                        "template: set model.hf_path to a Hugging Face model directory (the default character "
+                        "tokenizer has none)")
         if errs:
             raise ValueError("; ".join(errs))
         return self
@@ -351,6 +450,24 @@ class QRLConfig(_Section):
                 if shard % block:
                     errs.append(f"{name} ({size}, per TP shard {shard}) must be a multiple of the {lo.base_format} "
                                 f"block ({block}) for a packed LoRA base; pad it or set lora.base_format=bf16")
+        return errs
+
+    def _rl_checks(self) -> list[str]:
+        """Combinations of the rl section with the rollout that cannot work (docs/rl.md)."""
+        rl, ro = self.rl, self.rollout
+        errs = []
+        if rl.overlong_buffer_len >= ro.max_new_tokens:
+            errs.append(f"rl.overlong_buffer_len ({rl.overlong_buffer_len}) must be < rollout.max_new_tokens "
+                        f"({ro.max_new_tokens}): the penalty ramps over the last overlong_buffer_len tokens before "
+                        "the limit; lower it (0 = off)")
+        if rl.dynamic_sampling.enabled and ro.group_size < 2:
+            errs.append("rl.dynamic_sampling.enabled needs rollout.group_size >= 2: a group of one response "
+                        "always has equal rewards and would always be dropped")
+        if rl.dynamic_sampling.enabled and ro.placement == "disaggregated" and ro.engine == "embedded":
+            errs.append("rl.dynamic_sampling.enabled is not supported with rollout.placement=disaggregated and "
+                        "rollout.engine=embedded (the engine ranks draw and trace one batch per step); use "
+                        "rollout.placement=colocated or rollout.engine=sglang, or set "
+                        "rl.dynamic_sampling.enabled=false")
         return errs
 
     def model_parallel_size(self) -> int:

@@ -1,4 +1,5 @@
 """Shipped configs, analytic model sizes, and the trainer's batch sharding (no Megatron import needed)."""
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from megatron_qrl.models.sizes import count_parameters
 from megatron_qrl.trainer.batch import BatchError, replay_ids_for_router, shard, token_logprobs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.mark.parametrize("name, world, total, active", [
@@ -17,14 +19,29 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
     ("qwen3_30b_a3b", 32, (29e9, 32e9), (3.0e9, 3.6e9)),
     ("qwen3_235b_a22b", 128, (230e9, 240e9), (21e9, 23e9)),
 ])
-def test_shipped_configs_load_and_fit_their_layout(name, world, total, active):
-    cfg = load_config(CONFIGS / f"{name}.yaml")
+def test_shipped_configs_load_and_fit_their_layout(name, world, total, active, tmp_path):
+    overrides = []
+    if name == "qwen3_30b_a3b":   # a model.hf_path recipe: a directory with the release's config.json
+        shutil.copy(FIXTURES / "qwen3_30b_a3b_config.json", tmp_path / "config.json")
+        overrides = [f"model.hf_path={tmp_path}"]
+    cfg = load_config(CONFIGS / f"{name}.yaml", overrides)
     n = count_parameters(cfg)
     assert total[0] < n["total"] < total[1] and active[0] < n["active"] < active[1], n
     cfg.check_world_size(world)  # the rank count the config's comment documents
     if world > 1:
         with pytest.raises(ConfigError, match="trainer.tensor_parallel"):
             cfg.check_world_size(world - 1)
+
+
+def test_qwen3_30b_a3b_recipe_is_the_release(tmp_path):
+    """The recipe's model comes from config.json alone; its placeholder path fails with the fix."""
+    shutil.copy(FIXTURES / "qwen3_30b_a3b_config.json", tmp_path / "config.json")
+    m = load_config(CONFIGS / "qwen3_30b_a3b.yaml", [f"model.hf_path={tmp_path}"]).model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels, m.num_experts,
+            m.moe_router_topk, m.moe_ffn_hidden_size, m.vocab_size, m.rotary_base, m.max_sequence_length,
+            m.untie_embeddings_and_output_weights) == (48, 2048, 32, 4, 128, 128, 8, 768, 151936, 1000000, 8192, True)
+    with pytest.raises(ConfigError, match="model.hf_path '/path/to/Qwen3-30B-A3B' is not a directory"):
+        load_config(CONFIGS / "qwen3_30b_a3b.yaml")
 
 
 def test_tiny_cpu_is_the_documented_toy():

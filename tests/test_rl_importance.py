@@ -153,3 +153,90 @@ def test_required_stats_and_config_objects(method):
     expected = {"none": [1, 1, 1, 1], "tis": [0.4, 1.2, 1.2, 0.9], "mis": [0, 1, 0, 1], "icepop": [0, 0, 0, 1]}
     if method in expected:
         assert w[0].tolist() == pytest.approx(expected[method], abs=1e-6)
+
+
+# ---------------------------------------------------------------- sequence level (rl.is_level: seq / geo)
+def _seq_batch():
+    """Response ratios: row 0 rho = 2, 2 -> rho_seq 4, rho_geo 2; row 1 rho = 0.5, 1, 1 -> 0.5 and 0.5^(1/3);
+    row 2 rho = 1.2 -> 1.2 and 1.2; row 3 has no valid token."""
+    rhos = [[2.0, 2.0, 1.0], [0.5, 1.0, 1.0], [1.2, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    lt, lr = _logps(rhos)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    lt[0, 2] = float("nan")   # padding garbage
+    return lt, lr, torch.tensor([1.0, -1.0, 0.5, 0.0]), mask
+
+
+def _per_token(row_values, mask):
+    """A response's value on each of its valid tokens, flattened."""
+    return [v if m else 0.0 for v, row in zip(row_values, mask.tolist()) for m in row]
+
+
+@pytest.mark.parametrize("level,ratios", [("seq", [4.0, 0.5, 1.2]), ("geo", [2.0, 0.5 ** (1 / 3), 1.2])])
+def test_sequence_tis_weights_whole_responses(level, ratios):
+    lt, lr, adv, mask = _seq_batch()
+    w, st = is_weights(lt, lr, adv, mask, "tis", {"tis_C": 3.0, "is_level": level})
+    expected = [min(r, 3.0) for r in ratios] + [0.0]
+    assert w.flatten().tolist() == pytest.approx(_per_token(expected, mask), rel=1e-12)
+    assert st["is/truncated_frac"] == pytest.approx((2 / 6) if level == "seq" else 0.0)   # row 0's 2 of 6 tokens
+    assert st["is/num_sequences"] == 3 and st["is/seq_ratio_max"] == pytest.approx(max(ratios), rel=1e-12)
+    assert st["is/seq_ratio_min"] == pytest.approx(min(ratios), rel=1e-12)
+    assert st["is/seq_ratio_mean"] == pytest.approx(sum(ratios) / 3, rel=1e-12)
+    assert st["is/rho_max"] == pytest.approx(2.0)   # token statistics stay token-level
+
+
+def test_sequence_mis_drops_whole_responses():
+    lt, lr, adv, mask = _seq_batch()
+    w, st = is_weights(lt, lr, adv, mask, "mis", {"mis_U": 3.0, "is_level": "seq"})   # window [1/3, 3]
+    assert w.flatten().tolist() == pytest.approx(_per_token([0.0, 0.5, 1.2, 0.0], mask), rel=1e-12)   # rho_seq 4 dropped
+    assert st["is/masked_frac"] == pytest.approx(2 / 6) and st["is/seq_masked_frac"] == pytest.approx(1 / 3)
+    w, st = is_weights(lt, lr, adv, mask, "mis", {"mis_U": 3.0, "is_level": "geo", "mask_weight": "one"})
+    assert w.flatten().tolist() == _per_token([1.0, 1.0, 1.0, 0.0], mask) and st["is/seq_masked_frac"] == 0.0
+
+
+def test_sequence_icepop():
+    lt, lr, adv, mask = _seq_batch()
+    cfg = {"icepop_low": 0.6, "icepop_high": 3.5, "is_level": "seq"}
+    w, st = is_weights(lt, lr, adv, mask, "icepop", cfg)
+    assert w.flatten().tolist() == pytest.approx(_per_token([0.0, 0.0, 1.2, 0.0], mask), rel=1e-12)
+    assert st["is/seq_masked_frac"] == pytest.approx(2 / 3) and st["is/masked_frac"] == pytest.approx(5 / 6)
+    w, _ = is_weights(lt, lr, adv, mask, "icepop", {**cfg, "is_level": "geo"})   # 2, 0.79, 1.2 all inside
+    assert w.flatten().tolist() == pytest.approx(_per_token([2.0, 0.5 ** (1 / 3), 1.2, 0.0], mask), rel=1e-12)
+
+
+def test_sequence_ais_statistics_are_over_responses():
+    lt, lr, adv, mask = _seq_batch()
+    cfg = {"C": 3.0, "delta": 10.0, "gamma": 1.0, "beta": 0.5, "is_level": "seq"}
+    w, st = is_weights(lt, lr, adv, mask, "ais", cfg)
+    R, A = [4.0, 0.5, 1.2], [1.0, -1.0, 0.5]      # one unit per response with a valid token
+    wbar = [min(r, 3.0) for r in R]
+
+    def mean(x):
+        return sum(x) / len(x)
+
+    def std(x):
+        return math.sqrt(mean([(v - mean(x)) ** 2 for v in x]))
+
+    cv = std(wbar) / mean(wbar)
+    alpha_ess = (1 + cv * cv) ** -0.5
+    dbar = mean([abs(math.log(r)) for r in R])
+    alpha_mis = min(1.0, dbar / 10.0)
+    dsigma = std([a * b for a, b in zip(wbar, A)]) / std(A)
+    alpha_var = max(0.0, (dsigma - 1.0) / 1.0)
+    alpha = min(1.0, max(0.0, alpha_ess - 0.5 * alpha_var)) * alpha_mis
+    for key, value in (("ais/cv", cv), ("ais/alpha_ess", alpha_ess), ("ais/dbar", dbar), ("ais/dsigma", dsigma),
+                       ("ais/alpha_var", alpha_var), ("ais/alpha", alpha)):
+        assert st[key] == pytest.approx(value, rel=1e-12), key
+    assert 0 < alpha < 1
+    assert w.flatten().tolist() == pytest.approx(_per_token([1 + alpha * (x - 1) for x in wbar] + [0.0], mask), rel=1e-12)
+
+
+def test_level_validation_and_the_deprecated_mis_level():
+    lt, lr, adv, mask = _seq_batch()
+    with pytest.raises(ValueError, match="rl.is_level"):
+        is_weights(lt, lr, adv, mask, "tis", {"is_level": "sentence"})
+    w_old, s_old = is_weights(lt, lr, adv, mask, "mis", {"mis_U": 3.0, "mis_level": "sequence"})
+    w_new, s_new = is_weights(lt, lr, adv, mask, "mis", {"mis_U": 3.0, "is_level": "geo"})
+    assert torch.equal(w_old, w_new) and s_old == s_new
+    # the config maps it the same way, and only for MIS
+    assert RLConfig(is_method="mis", mis_level="sequence").is_level == "geo"
+    assert RLConfig(is_method="tis", mis_level="sequence").is_level == "token"

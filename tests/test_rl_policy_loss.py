@@ -40,10 +40,10 @@ def test_k3_kl_to_reference():
     ref = torch.tensor([[0.5, -0.5]], dtype=D64)
     loss, st = policy_loss(lp, lp, torch.zeros(1, dtype=D64), torch.ones(1, 2), None, logp_ref=ref, kl_coef=0.1)
     k3 = [math.exp(d) - d - 1 for d in (0.5, -0.5)]
-    assert float(st["kl/ref_kl"]) == pytest.approx(sum(k3) / 2, rel=1e-12)
+    assert float(st["pg/kl_loss"]) == pytest.approx(sum(k3) / 2, rel=1e-12)
     assert loss.item() == pytest.approx(0.1 * sum(k3) / 2, rel=1e-12)
     loss0, st0 = policy_loss(lp, lp, torch.zeros(1, dtype=D64), torch.ones(1, 2), None, logp_ref=ref)
-    assert loss0.item() == 0.0 and "kl/ref_kl" not in st0  # kl_coef defaults to 0: off
+    assert loss0.item() == 0.0 and "pg/kl_loss" not in st0  # kl_coef defaults to 0: off
 
 
 def test_global_token_mean_over_microbatches():

@@ -228,8 +228,9 @@ class FakeBackend:
             out.append(r)
         return out
 
-    def sync(self, buckets, version):
+    def sync(self, buckets, version, reprocess=False):
         self.synced.append((buckets, version))
+        self.reprocess = reprocess
 
     def audit(self, version):
         return {"weight_version_ok": self.versions_ok, "weight_versions": {"http://h": str(version)}}
@@ -271,6 +272,7 @@ def test_engine_satisfies_the_rollout_protocol_and_syncs_in_buckets():
     engine.update_weights(weights, 7, hashes)
     buckets, version = backend.synced[0]
     assert version == 7 and len(buckets) > 1  # 1 KiB buckets
+    assert backend.reprocess  # an FP4 payload: the backend frames the update with the FP4 reload loaders
     names = sorted(t.name for b in buckets for t in b)
     assert names == ["model.layers.0.mlp.experts.0.down_proj." + s for s in ("weight", "weight_scale",
                                                                              "weight_scale_2")] + ["model.norm.weight"]
@@ -392,7 +394,32 @@ def test_the_gpu_smoke_script_parses_its_arguments():
 
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "tools/sglang_smoke.py", "--help"], cwd=root, capture_output=True, text=True)
-    assert r.returncode == 0 and "--model-path" in r.stdout, r.stderr
+    assert r.returncode == 0 and "--model-path" in r.stdout and "--num-layers" in r.stdout, r.stderr
+
+
+def test_the_smoke_script_syncs_whole_layers_of_the_checkpoint(tmp_path):
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("sglang_smoke", Path(__file__).resolve().parents[1] / "tools"
+                                                  / "sglang_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    tensors = {}
+    for layer in (0, 1):
+        for base in ("self_attn.q_proj", "self_attn.k_proj", "mlp.experts.0.down_proj", "mlp.experts.1.up_proj"):
+            b = f"model.layers.{layer}.{base}"
+            tensors.update({b + ".weight": torch.zeros(64, 16, dtype=torch.uint8),
+                            b + ".weight_scale": torch.zeros(64, 2, dtype=torch.float8_e4m3fn),
+                            b + ".weight_scale_2": torch.ones(())})
+        tensors[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(32)
+    save_file(dict(list(tensors.items())[:20]), str(tmp_path / "model-1.safetensors"))  # layers span two shards
+    save_file(dict(list(tensors.items())[20:]), str(tmp_path / "model-2.safetensors"))
+    picked = smoke.checkpoint_fp4_layers(tmp_path, 1)
+    assert sorted(picked) == sorted(f"model.layers.0.{b}.weight" for b in (
+        "self_attn.q_proj", "self_attn.k_proj", "mlp.experts.0.down_proj", "mlp.experts.1.up_proj"))
+    assert len(smoke.checkpoint_fp4_layers(tmp_path, 2)) == 8
 
 
 def test_disaggregated_audit_compares_versions_and_checksums_across_servers():
@@ -416,6 +443,100 @@ def test_disaggregated_audit_compares_versions_and_checksums_across_servers():
     ok = backend({"a:1": "x", "b:1": "x"}).audit(4)
     assert ok["weight_version_ok"] and ok["checksums_agree"]
     engine = make_engine(backend({"a:1": "x", "b:1": "y"}))
-    engine.backend.sync = lambda buckets, version: None  # no update group here; the audit is under test
+    engine.backend.sync = lambda buckets, version, reprocess=False: None  # no update group: the audit is under test
     with pytest.raises(WeightUpdateError, match="different weights"):
         engine.update_weights(update()[0], 4, update()[1])
+
+
+def test_only_updates_with_fp4_payloads_ask_for_reprocessing():
+    backend = FakeBackend()
+    engine = make_engine(backend)
+    norm = {"model.norm.weight": torch.randn(64)}
+    engine.update_weights(norm, 1, {n: payload_digest(p) for n, p in norm.items()})
+    assert backend.reprocess is False
+
+
+class FramingEngine:
+    """Records Engine.update_weights_from_tensor calls. Not SGLang."""
+
+    def __init__(self, **kw):
+        self.calls = []
+
+    def update_weights_from_tensor(self, named_tensors, load_format, flush_cache):
+        self.calls.append((len(named_tensors), load_format, flush_cache))
+        return True, "Success"
+
+
+def test_colocated_fp4_sync_is_framed_by_the_reload_loaders_and_flushes_after_the_end():
+    from megatron_qrl.rollout.sglang.colocated import ColocatedBackend
+    from megatron_qrl.rollout.sglang.custom_loader import BEGIN_FP4_UPDATE, END_FP4_UPDATE
+    from megatron_qrl.rollout.sglang.wire import split_buckets, wire_tensors
+
+    backend = ColocatedBackend({}, engine_factory=FramingEngine, device="cpu")
+    buckets = split_buckets(wire_tensors(update()[0]), 64)
+    backend.sync(buckets, 1, reprocess=True)
+    calls = backend.engine.calls
+    assert calls[0] == (0, BEGIN_FP4_UPDATE, False) and calls[-1] == (0, END_FP4_UPDATE, True)
+    assert [c[1:] for c in calls[1:-1]] == [(None, False)] * len(buckets) and all(c[0] for c in calls[1:-1])
+    backend.engine.calls.clear()
+    backend.sync(buckets, 2, reprocess=False)
+    assert [c[1:] for c in backend.engine.calls] == [(None, False)] * (len(buckets) - 1) + [(None, True)]
+
+
+def test_disaggregated_fp4_sync_frames_every_server_and_reports_the_version_at_the_end(monkeypatch):
+    import megatron_qrl.rollout.sglang.disaggregated as disagg
+    from megatron_qrl.rollout.sglang.custom_loader import BEGIN_FP4_UPDATE, END_FP4_UPDATE
+    from megatron_qrl.rollout.sglang.server_client import ServerClient
+    from megatron_qrl.rollout.sglang.wire import split_buckets, wire_tensors
+
+    calls = []
+
+    class Transport:
+        def request(self, method, url, body, timeout):
+            calls.append((url.split("/", 3)[2], "/" + url.split("/", 3)[3], body))
+            return {"success": True}
+
+    monkeypatch.setattr(disagg, "open_update_group", lambda *a, **k: "group")
+    monkeypatch.setattr(disagg, "broadcast_bucket", lambda flat, pg: None)
+    servers = [ServerClient(f"http://h{i}:1", Transport()) for i in range(2)]
+    backend = disagg.ServerBackend(servers, tp_size=2, group_backend="gloo")
+    buckets = split_buckets(wire_tensors(update()[0]), 64)
+    backend.sync(buckets, 5, reprocess=True)
+    for host in ("h0:1", "h1:1"):
+        mine = [(p, b) for h, p, b in calls if h == host and p != "/init_weights_update_group"]
+        assert [p for p, _ in mine] == (["/update_weights_from_tensor"] + ["/update_weights_from_distributed"]
+                                        * len(buckets) + ["/update_weights_from_tensor"])
+        begin, end = mine[0][1], mine[-1][1]
+        assert begin["load_format"] == BEGIN_FP4_UPDATE and not begin["flush_cache"] and "weight_version" not in begin
+        assert end["load_format"] == END_FP4_UPDATE and end["flush_cache"] and end["weight_version"] == "5"
+        assert len(begin["serialized_named_tensors"]) == 2  # one (empty) payload per TP rank
+        assert not any(b["flush_cache"] or "weight_version" in b for _, b in mine[1:-1])
+
+
+def test_nvfp4_engines_register_the_reload_loaders_and_external_servers_must_have_them():
+    from megatron_qrl.rollout.sglang.custom_loader import CUSTOM_WEIGHT_LOADERS
+    from megatron_qrl.rollout.sglang.launch_args import engine_server_args
+
+    cfg = cfg_with()
+    args = engine_server_args(cfg.rollout, choose_engine_quantization((9, 0), "nvfp4", "w4a16"), routed_experts=False,
+                              colocated=False)
+    assert args["custom_weight_loader"] == CUSTOM_WEIGHT_LOADERS
+    argv = launch_server_argv(args, "h", 1)
+    i = argv.index("--custom-weight-loader")
+    assert argv[i + 1:i + 1 + len(CUSTOM_WEIGHT_LOADERS)] == CUSTOM_WEIGHT_LOADERS
+    bf16 = engine_server_args(cfg.rollout, choose_engine_quantization((9, 0), "bf16", "w4a16"), routed_experts=False,
+                              colocated=False)
+    assert "custom_weight_loader" not in bf16
+
+    class Transport:
+        def __init__(self, loaders):
+            self.loaders = loaders
+
+        def request(self, method, url, body, timeout):
+            return {"quantization": "modelopt_fp4", "custom_weight_loader": self.loaders}
+
+    overrides = ["rollout.placement=disaggregated", "rollout.sglang_server_urls=[http://h:30000]",
+                 "rollout.scheme=w4a16"]
+    with pytest.raises(SGLangConfigError, match="--custom-weight-loader"):
+        build_sglang_engine(cfg_with(*overrides), transport=Transport([]))
+    assert build_sglang_engine(cfg_with(*overrides), transport=Transport(CUSTOM_WEIGHT_LOADERS)) is not None

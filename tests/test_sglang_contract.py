@@ -19,6 +19,8 @@ from megatron_qrl.config import apply_overrides, from_dict
 from megatron_qrl.rollout import SamplingParams, pack_weight, payload_digest
 from megatron_qrl.rollout.sglang import build_sglang_engine, choose_engine_quantization
 from megatron_qrl.rollout.sglang.colocated import ColocatedBackend
+from megatron_qrl.rollout.sglang.custom_loader import (CUSTOM_WEIGHT_LOADERS, END_FP4_UPDATE,
+                                                       empty_serialized_named_tensors)
 from megatron_qrl.rollout.sglang.disaggregated import FLATTENED_BUCKET
 from megatron_qrl.rollout.sglang.launch_args import engine_server_args, launch_server_argv
 from megatron_qrl.rollout.sglang.payloads import ORIGINAL_LOGPROB_ENV, generate_request
@@ -188,7 +190,7 @@ class RecordingTransport:
         if path == "/model_info":
             return {"weight_version": "3"}
         if path == "/server_info":
-            return {"quantization": "modelopt_fp4"}
+            return {"quantization": "modelopt_fp4", "custom_weight_loader": CUSTOM_WEIGHT_LOADERS}
         if path == "/weights_checker":
             return {"success": True, "message": "", "per_engine_checksum": "ab12"}
         return {"success": True, "message": "ok"}
@@ -225,8 +227,8 @@ def test_engine_methods_accept_the_keywords_the_colocated_adapter_passes(release
     engine.release_memory()
     engine.resume_memory()
     calls = holder["engine"].calls
-    assert [c[0] for c in calls] == ["__init__", "generate", "update_weights_from_tensor",
-                                     "release_memory_occupation", "resume_memory_occupation"]
+    assert [c[0] for c in calls] == ["__init__", "generate"] + ["update_weights_from_tensor"] * 3 + [
+        "release_memory_occupation", "resume_memory_occupation"]  # FP4: begin, the bucket, end
     fields, _ = server_args_fields_and_flags(release)
     assert set(calls[0][1]) <= fields, set(calls[0][1]) - fields  # Engine(**kwargs) -> ServerArgs(**kwargs)
     for method, kwargs in calls[1:]:
@@ -265,6 +267,8 @@ def test_http_routes_and_body_keys_exist_in_the_release(release):
     meta = BucketMeta.of(bucket)
     server.update_weights_from_distributed(meta.names, meta.dtypes, meta.shapes, flush_cache=True,
                                            weight_version="3", load_format=FLATTENED_BUCKET)
+    server.update_weights_from_tensor(empty_serialized_named_tensors(1), load_format=END_FP4_UPDATE,
+                                      flush_cache=True, weight_version="3")
     server.destroy_weights_update_group()
     server.release_memory_occupation()
     server.resume_memory_occupation()
@@ -282,6 +286,7 @@ def test_http_routes_and_body_keys_exist_in_the_release(release):
             assert set(body) <= fields, f"{body_cls} has no field(s) {set(body) - fields}"
         checked.add(path)
     assert {"/generate", "/server_info", "/init_weights_update_group", "/update_weights_from_distributed",
+            "/update_weights_from_tensor",
             "/release_memory_occupation", "/resume_memory_occupation", "/health", "/model_info",
             "/weights_checker"} <= checked
     generate_body = next(b for m, p, b in transport.calls if p == "/generate")

@@ -19,6 +19,7 @@ import torch
 from megatron_qrl.config import load_config
 from megatron_qrl.convert import qwen3_moe
 from megatron_qrl.data import CharTokenizer
+from megatron_qrl.rollout.sglang.custom_loader import BEGIN_FP4_UPDATE, CUSTOM_WEIGHT_LOADERS, END_FP4_UPDATE
 from megatron_qrl.rollout.weights import FP4Tensor, payload_digest
 
 OVERRIDES = ["rollout.engine=sglang", "trace.enabled=false", "rollout.sglang_model_path=/ckpt/tiny-nvfp4",
@@ -101,7 +102,7 @@ class FakeInProcessEngine:
     """Stands in for sglang.Engine: records calls, answers generate with canned results. Not SGLang."""
 
     def __init__(self, layers, topk, experts, **server_args):
-        self.server_args, self.calls, self.syncs, self.prompts = server_args, [], [[]], []
+        self.server_args, self.calls, self.syncs, self.prompts, self.frames = server_args, [], [[]], [], []
         self.shape = (layers, topk, experts)
 
     def generate(self, input_ids, sampling_params, return_logprob, logprob_start_len, return_routed_experts):
@@ -111,8 +112,13 @@ class FakeInProcessEngine:
         return [canned_result(p, "default", *self.shape) for p in input_ids]
 
     def update_weights_from_tensor(self, named_tensors, load_format, flush_cache):
+        """Buckets (load_format None) go to syncs; the FP4 reload's framing calls (empty) to frames."""
         self.calls.append("update")
-        self.syncs[-1].append(([(n, t.clone()) for n, t in named_tensors], flush_cache))
+        if load_format is None:
+            self.syncs[-1].append(([(n, t.clone()) for n, t in named_tensors], flush_cache))
+        else:
+            assert named_tensors == []
+            self.frames.append((load_format, flush_cache))
         if flush_cache:
             self.syncs.append([])
         return True, "Success"
@@ -145,10 +151,13 @@ def test_colocated_loop_syncs_hf_named_fp4_buckets_and_trains_on_the_samples(tmp
 
     syncs = fake.syncs[:-1]
     assert len(syncs) == 2                                   # one full update per RL step
+    assert args["custom_weight_loader"] == CUSTOM_WEIGHT_LOADERS
+    # FP4 payloads: each update is framed by the reload loaders; the cache is flushed by the end call only
+    assert fake.frames == [(BEGIN_FP4_UPDATE, False), (END_FP4_UPDATE, True)] * 2
     want = expected_wire_names(cfg)
     bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2 ** 20
     for buckets in syncs:
-        assert len(buckets) > 1 and [f for _, f in buckets] == [False] * (len(buckets) - 1) + [True]
+        assert len(buckets) > 1 and [f for _, f in buckets] == [False] * len(buckets)
         received = {n: t for bucket, _ in buckets for n, t in bucket}
         assert {n: t.dtype for n, t in received.items()} == want
         for bucket, _ in buckets:
@@ -204,12 +213,12 @@ class FakeServers:
         self.calls.append((path, body))
         if path == "/generate":
             return canned_result(body["input_ids"], self.version, *self.shape)
-        if path == "/update_weights_from_distributed" and "weight_version" in body:
+        if path in ("/update_weights_from_distributed", "/update_weights_from_tensor") and "weight_version" in body:
             self.version = body["weight_version"]
         if path == "/model_info":
             return {"weight_version": self.version}
         if path == "/server_info":
-            return {"quantization": "modelopt_fp4"}
+            return {"quantization": "modelopt_fp4", "custom_weight_loader": CUSTOM_WEIGHT_LOADERS}
         if path == "/weights_checker":
             return {"success": True, "per_engine_checksum": "same"}
         return {"success": True, "message": "ok"}
@@ -237,12 +246,17 @@ def test_disaggregated_loop_sends_buckets_to_the_servers_from_trainer_rank_0(tmp
     assert (init["rank_offset"], init["world_size"]) == (1, 2)
     updates = [b for p, b in servers.calls if p == "/update_weights_from_distributed"]
     assert len(updates) == len(servers.flats) and all(u["load_format"] == "flattened_bucket" for u in updates)
-    versioned = [i for i, u in enumerate(updates) if "weight_version" in u]
-    assert [updates[i]["weight_version"] for i in versioned] == ["0", "1"] and versioned[-1] == len(updates) - 1
-    first_sync = updates[:versioned[0] + 1]
-    assert len(first_sync) > 1 and [u["flush_cache"] for u in first_sync] == [False] * (len(first_sync) - 1) + [True]
+    assert not any(u["flush_cache"] or "weight_version" in u for u in updates)
+    # FP4 payloads: every update is framed by the reload loaders; the end call flushes and carries the version
+    frames = [(i, b) for i, (p, b) in enumerate(servers.calls) if p == "/update_weights_from_tensor"]
+    assert [(b["load_format"], b["flush_cache"], b.get("weight_version")) for _, b in frames] == \
+        [(BEGIN_FP4_UPDATE, False, None), (END_FP4_UPDATE, True, "0"), (BEGIN_FP4_UPDATE, False, None),
+         (END_FP4_UPDATE, True, "1")]
+    bucket_calls = [i for i, (p, _) in enumerate(servers.calls) if p == "/update_weights_from_distributed"]
+    first_sync = [i for i in bucket_calls if frames[0][0] < i < frames[1][0]]
+    assert len(first_sync) > 1 and not [i for i in bucket_calls if frames[1][0] < i < frames[2][0]]
 
-    last_sync = range(versioned[0] + 1, len(updates))
+    last_sync = range(len(first_sync), len(updates))
     received = {}
     for i in last_sync:
         meta = BucketMeta(updates[i]["names"], updates[i]["dtypes"], updates[i]["shapes"])

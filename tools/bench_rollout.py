@@ -1,27 +1,32 @@
-"""Rollout decode throughput of the embedded engine: BF16 vs FP4 weights, plus Hugging Face generate().
+"""Rollout decode throughput of the embedded engine: FP4 vs BF16 graph decode, the eager engine, HF generate.
 
-    python tools/bench_rollout.py [--layers 4] [--batches 1,16,64,256] [--prompt-len 64] [--new-tokens 64]
-                                  [--reps 3] [--schemes bf16,w4a16,w4a4] [--no-hf] [--json F] [--tiny]
+    python tools/bench_rollout.py [--layers 4,48] [--batches 1,16,64,256] [--prompt-len 64] [--new-tokens 64]
+        [--reps 3] [--engines fp4,bf16,hf] [--overheads 64] [--check 16] [--json F] [--tiny]
 
-One process. A Qwen3-30B-A3B-shaped model cut to --layers layers (hidden 2048, 128 experts top-8, expert
-FFN 768, 32 query / 4 KV heads of dim 128, vocab 151936; random weights, real shapes; --tiny: a CPU-sized
-model for the smoke test) is built once as the trainer would (bf16 on GPU), and every engine receives its
-weights through the normal weight sync (sync_from_model: codec + digests):
-    bf16    rollout.weights=bf16 (Megatron's modules, one GEMM call per expert)
-    w4a16   rollout.weights=nvfp4, scheme w4a16: on CUDA the W4A16 / grouped-MoE Triton kernels
-    w4a4    rollout.weights=nvfp4, scheme w4a4: per-expert fake-quant of the inputs, then the same kernels
-    hf      transformers Qwen3MoeForCausalLM.generate() on the same bf16 weights (outside reference)
-Decode tokens/s excludes prefill: a generate() of N new tokens minus a generate() of 1 new token (the
-prefill and first token) for the same prompts, i.e. (N - 1) * B tokens over the time difference; medians of
---reps timed pairs after one warm-up pair. Greedy, all prompts of one length, no stop token, log-probs on
-(the engine returns them for RL). No CUDA graphs anywhere (the engine and HF run eagerly).
-Checks in the same run: at the smallest batch >= 2, every FP4 kernel engine against the same scheme with
-the kernels off (dequantize-then-matmul reference): greedy-token agreement and max |log-prob difference|;
-the bf16 engine's first greedy tokens against HF's.
+One process. A Qwen3-30B-A3B-shaped model cut to --layers layers (hidden 2048, 128 experts top-8, expert FFN
+768, 32 query / 4 KV heads of dim 128, vocab 151936; random weights std 0.02; --tiny: a CPU-sized model for
+the smoke test). Each engine initialises its own model from the same seed and receives its weights through
+the normal weight sync (sync_from_model: codec + digests); engines are built one at a time so that 48 layers
+fit on one GPU. Engines (--engines):
+    fp4        rollout.weights=nvfp4, scheme w4a16, rollout.decode=graphs (CUDA graphs of the static step,
+               grouped W4A16 expert kernels)
+    bf16       rollout.weights=bf16, decode=graphs (torch._grouped_mm experts)
+    fp4-eager  the eager engine (Megatron forward per step) on the same FP4 kernels: the "before"
+    hf         transformers Qwen3MoeForCausalLM.generate() (sdpa, eager) on the bf16 weights (<= 8 layers)
+Decode tokens/s excludes prefill: a generate() of N new tokens minus a generate() of 1 new token for the same
+prompts, i.e. (N - 1) * B tokens over the time difference; medians of --reps timed pairs after a warm-up
+pair (which also captures the graphs). Greedy, no stop token, log-probs on. The HBM floor of a step is the
+weight bytes it must read (attention, router, the experts top-k touches in expectation under uniform routing,
+LM head) plus the KV cache read at the mean context, over --hbm-tbs TB/s.
+--overheads B: at batch B, W4A4 with TRACE capture of every layer + R3 against W4A4 without, and sampling
+(temperature 1) against greedy (fp4). --check B: at batch B, each graph engine against the eager engine of
+the same scheme (identical sequences, matching greedy prefix, max |log-prob difference| on the prefix; W4A4
+with TRACE: capture bytes agreeing on the prefix rows).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -36,72 +41,108 @@ TINY_SHAPE = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_
                   num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, vocab_size=128, qk_layernorm=True,
                   rotary_base=10000, norm_epsilon=1e-6, untie_embeddings_and_output_weights=True,
                   moe_aux_loss_coeff=0.0)
-SCHEMES = {"bf16": ("bf16", "w4a16"), "w4a16": ("nvfp4", "w4a16"), "w4a4": ("nvfp4", "w4a4"),
-           "mxfp4-w4a16": ("mxfp4", "w4a16")}
+# engine name -> (rollout.weights, rollout.scheme, rollout.decode, TRACE)
+ENGINES = {"fp4": ("nvfp4", "w4a16", "graphs", False), "bf16": ("bf16", "w4a16", "graphs", False),
+           "fp4-eager": ("nvfp4", "w4a16", "eager", False), "bf16-eager": ("bf16", "w4a16", "eager", False),
+           "w4a4": ("nvfp4", "w4a4", "graphs", False), "w4a4-trace": ("nvfp4", "w4a4", "graphs", True),
+           "w4a4-trace-eager": ("nvfp4", "w4a4", "eager", True)}
+HF_MAX_LAYERS = 8
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="CPU smoke size (2 layers, hidden 64, 8 experts)")
-    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--layers", default=None, help="comma list of layer counts")
     p.add_argument("--batches", default=None)
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--schemes", default="bf16,w4a16,w4a4")
-    p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--no-check", action="store_true", help="skip the kernel-vs-reference check")
-    p.add_argument("--kernels", default=None, choices=["auto", "on", "off"],
-                   help="FP4 linears on the Triton kernels (default: auto; --tiny: on, through the interpreter)")
+    p.add_argument("--engines", default="fp4,bf16,hf")
+    p.add_argument("--eager-batches", default="1,16", help="batches for the eager engines (slow at large B)")
+    p.add_argument("--overheads", type=int, default=0, help="batch for the TRACE and sampling overheads (0: off)")
+    p.add_argument("--check", type=int, default=0, help="batch for the graph-vs-eager checks (0: off)")
+    p.add_argument("--hbm-tbs", type=float, default=4.0, help="bandwidth of the HBM floor (TB/s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    d = dict(layers=2, batches="1,4", prompt_len=8, new_tokens=4, reps=1) if a.tiny else \
-        dict(layers=4, batches="1,16,64,256", prompt_len=64, new_tokens=64, reps=3)
-    d["kernels"] = "on" if a.tiny else "auto"
+    d = dict(layers="2", batches="1,4", prompt_len=8, new_tokens=4, reps=1) if a.tiny else \
+        dict(layers="4", batches="1,16,64,256", prompt_len=64, new_tokens=64, reps=3)
     for k, v in d.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    a.layers = [int(x) for x in str(a.layers).split(",") if x]
     a.batches = [int(b) for b in str(a.batches).split(",") if b]
-    a.schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
-    bad = [s for s in a.schemes if s not in SCHEMES]
+    a.eager_batches = [int(b) for b in str(a.eager_batches).split(",") if b]
+    a.engines = [s.strip() for s in a.engines.split(",") if s.strip()]
+    bad = [s for s in a.engines if s not in ENGINES and s != "hf"]
     if bad:
-        raise SystemExit(f"unknown scheme(s) {bad}; use {sorted(SCHEMES)}")
+        raise SystemExit(f"unknown engine(s) {bad}; use hf or one of {sorted(ENGINES)}")
     if a.new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 2 (decode time = N tokens minus the 1-token prefill run)")
     return a
 
 
-def make_cfg(a, weights: str, scheme: str, bf16: bool):
+def make_cfg(a, layers: int, engine: str, max_batch: int):
     from megatron_qrl.config import QRLConfig
 
+    weights, scheme, decode, trace = ENGINES[engine]
     shape = dict(TINY_SHAPE if a.tiny else QWEN3_30B_SHAPE)
-    model = dict(shape, num_layers=a.layers, max_sequence_length=a.prompt_len + a.new_tokens,
-                 init_method_std=0.02 if not a.tiny else 0.1)
+    model = dict(shape, num_layers=layers, max_sequence_length=a.prompt_len + a.new_tokens,
+                 init_method_std=0.1 if a.tiny else 0.02)
+    if a.tiny:
+        decode = "static" if decode == "graphs" else decode
     return QRLConfig.model_validate({
         "model": model, "quant": {"format": "nvfp4", "targets": "routed_experts", "scheme": "w4a4"},
-        "trainer": {"bf16": bf16, "seed": a.seed}, "aqn": {"enabled": False}, "trace": {"enabled": False},
-        "rollout": {"weights": weights, "scheme": scheme, "max_batch_size": max(a.batches),
+        "trainer": {"bf16": not a.tiny, "seed": a.seed}, "aqn": {"enabled": False},
+        "trace": {"enabled": trace, "num_cached_layers": layers},
+        "rollout": {"weights": weights, "scheme": scheme, "decode": decode, "max_batch_size": max_batch,
                     "max_new_tokens": a.new_tokens}})
 
 
-def _sync(device):
+def _sync():
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def build_engine(cfg, kernels=None):
-    """An EmbeddedEngine whose model skips random init (the weight sync overwrites every parameter)."""
-    import dataclasses
+def build_engine(a, layers: int, engine: str, max_batch: int):
+    """An EmbeddedEngine with its own random weights (seeded), installed through its own weight sync."""
+    import torch
 
-    from megatron_qrl.models import build_model
-    from megatron_qrl.models.provider import transformer_config
     from megatron_qrl.rollout.embedded import EmbeddedEngine
 
-    tc = dataclasses.replace(transformer_config(cfg), perform_initialization=False)
-    return EmbeddedEngine(cfg, build_model(cfg, tc)[0], kernels=kernels)
+    from megatron_qrl.platform.distributed import seed_everything
+
+    seed_everything(a.seed)               # every engine initialises the same weights
+    eng = EmbeddedEngine(make_cfg(a, layers, engine, max_batch), kernels="on" if a.tiny else None)
+    t0 = time.perf_counter()
+    eng.sync_from_model(eng.model, version=0)
+    _sync()
+    print(f"[bench] {layers} layers {engine}: built, weight sync {time.perf_counter() - t0:.1f} s, "
+          f"decode={eng.decode_mode}, kernels={eng.kernels is not None}", file=sys.stderr, flush=True)
+    return eng
+
+
+def free(*objs):
+    import torch
+
+    for o in objs:
+        del o
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def time_engine(engine, prompts, n_new, temperature=0.0):
+    from megatron_qrl.rollout.protocol import SamplingParams
+
+    sp = SamplingParams(temperature=temperature, max_new_tokens=n_new, seed=0)
+    _sync()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sp)
+    _sync()
+    return time.perf_counter() - t0, out
 
 
 def hf_model(cfg, source, device, dtype):
@@ -140,159 +181,220 @@ def hf_model(cfg, source, device, dtype):
             else:
                 fused[name] = torch.stack([tensors.pop(f"{pre}{e}.down_proj.weight") for e in range(m.num_experts)])
     tensors.update(fused)
-    missing = set(state) - set(tensors)
-    extra = set(tensors) - set(state)
+    missing, extra = set(state) - set(tensors), set(tensors) - set(state)
     if missing or extra:
         raise RuntimeError(f"HF weight mapping incomplete: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}")
-    for name, t in tensors.items():
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise RuntimeError(f"HF tensor {name}: shape {tuple(t.shape)} != {tuple(state[name].shape)}")
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, strict=True)
     model.eval()
     return model
 
 
-def time_engine(engine, prompts, n_new, device):
-    from megatron_qrl.rollout.protocol import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_new_tokens=n_new, seed=0)
-    _sync(device)
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, sp)
-    _sync(device)
-    return time.perf_counter() - t0, out
-
-
-def time_hf(model, prompts, n_new, device):
+def time_hf(model, prompts, n_new):
     import torch
 
-    ids = torch.tensor(prompts, device=device)
-    _sync(device)
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
+    _sync()
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
                              min_new_tokens=n_new, do_sample=False, use_cache=True, pad_token_id=0,
                              eos_token_id=None)
-    _sync(device)
+    _sync()
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
-def decode_rate(timer, prompts, a, reps):
-    """(decode tokens/s median, per-rep rates, tokens of the last long run)."""
+def decode_rate(timer, prompts, a):
+    """(decode tokens/s median, per-rep rates)."""
     b = len(prompts)
-    timer(prompts, 1)                       # warm-up pair (kernel compilation, allocator)
+    timer(prompts, 1)                       # warm-up pair (kernel compilation, graph capture, allocator)
     timer(prompts, a.new_tokens)
-    rates, out = [], None
-    for _ in range(reps):
-        t_long, out = timer(prompts, a.new_tokens)
+    rates = []
+    for _ in range(a.reps):
+        t_long, _ = timer(prompts, a.new_tokens)
         t_short, _ = timer(prompts, 1)
         dt = t_long - t_short
         rates.append(b * (a.new_tokens - 1) / dt if dt > 0 else float("nan"))   # nan: noise swamped the decode
     ok = [r for r in rates if r == r]
-    return (statistics.median(ok) if ok else float("nan")), rates, out
+    return (statistics.median(ok) if ok else float("nan")), rates
+
+
+def graph_step_ms(engine, batch: int, a, steps: int = 32) -> float:
+    """Median-free mean time of one replay of the decode-step graph of `batch` rows, measured with CUDA events
+    over `steps` back-to-back replays (rows active from position prompt_len); the rows' state is restored."""
+    import torch
+
+    from megatron_qrl.rollout.protocol import SamplingParams
+
+    loop = engine._static_loop
+    if loop is None or not torch.cuda.is_available():
+        return float("nan")
+    st = loop.state
+    bucket = next(b for b in loop.buckets if b >= batch)
+    saved = st.snapshot()
+    st.active[:batch] = True
+    st.positions[:batch] = a.prompt_len
+    st.slots[:batch] = torch.arange(batch, device=st.slots.device)
+    st.n_gen[:batch] = 1
+    st.max_new.fill_(10 ** 6)
+    params = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens)
+    loop.graphs.run(bucket, params)                       # captured during the timed generates; warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    steps = min(steps, a.new_tokens - 1)
+    start.record()
+    for _ in range(steps):
+        loop.graphs.run(bucket, params)
+    end.record()
+    torch.cuda.synchronize()
+    st.restore(saved)
+    st.active[:batch] = False
+    return start.elapsed_time(end) / steps
+
+
+def hbm_floor_ms(cfg, batch: int, context: float, fp4: bool, tbs: float) -> float:
+    """Bytes one decode step must read from HBM over `tbs` TB/s (see the module docstring)."""
+    m = cfg.model
+    h, f, e, k, v = m.hidden_size, m.moe_ffn_hidden_size, m.num_experts, m.moe_router_topk, m.vocab_size
+    d = m.kv_channels or h // m.num_attention_heads
+    attn = 2 * h * (m.num_attention_heads + 2 * m.num_query_groups) * d + 2 * m.num_attention_heads * d * h
+    router = 4 * e * h
+    expert = 3 * h * f * (0.5 + 1 / 16) if fp4 else 3 * h * f * 2
+    touched = e * (1 - (1 - k / e) ** batch)
+    kv = batch * context * 2 * m.num_query_groups * d * 2
+    per_layer = attn + router + touched * expert + kv
+    return (m.num_layers * per_layer + 2 * v * h) / (tbs * 1e12) * 1e3
+
+
+def prompts_for(a, vocab, b, g):
+    import torch
+
+    return torch.randint(0, vocab, (b, a.prompt_len), generator=g).tolist()
+
+
+def check_pair(a, layers, engine, eager_engine, batch, vocab, g) -> dict:
+    """One graph engine against the eager engine of the same scheme and weights."""
+    ps = prompts_for(a, vocab, batch, g)
+    fast = build_engine(a, layers, engine, batch)
+    _, out_f = time_engine(fast, ps, a.new_tokens)
+    free(fast)
+    ref = build_engine(a, layers, eager_engine, batch)
+    _, out_r = time_engine(ref, ps, a.new_tokens)
+    free(ref)
+    first = [next((i for i, (u, v) in enumerate(zip(x.tokens, y.tokens)) if u != v), len(x.tokens))
+             for x, y in zip(out_f, out_r)]
+    diffs = [float((x.logprobs[:n] - y.logprobs[:n]).abs().max()) if n else 0.0
+             for x, y, n in zip(out_f, out_r, first)]
+    res = {"batch": batch, "identical_sequences": f"{sum(x.tokens == y.tokens for x, y in zip(out_f, out_r))}/{batch}",
+           "mean_matching_prefix": statistics.mean(first), "max_abs_logprob_diff_on_prefix": max(diffs),
+           "routed_equal_on_prefix": all(bool((x.routed_experts[:len(x.prompt_ids) + n - 1] ==
+                                               y.routed_experts[:len(x.prompt_ids) + n - 1]).all())
+                                         for x, y, n in zip(out_f, out_r, first))}
+    if out_f[0].trace:
+        agree, total = 0, 0
+        for x, y, n in zip(out_f, out_r, first):
+            rows = len(x.prompt_ids) + n - 1
+            for layer, roles in x.trace.items():
+                for role, cap in roles.items():
+                    other = y.trace[layer][role]
+                    agree += int((cap.bits[:rows] == other.bits[:rows]).sum())
+                    total += cap.bits[:rows].numel()
+        res["trace_bits_bytes_agreeing_on_prefix"] = agree / max(total, 1)
+    return res
 
 
 def run(a) -> dict:
     import torch
 
-    from megatron_qrl.models import build_model
     from megatron_qrl.platform import init_distributed
 
-    cuda = torch.cuda.is_available() and not a.tiny
     if a.tiny and torch.cuda.is_available():
         raise SystemExit("--tiny runs on the CPU: hide the GPU (CUDA_VISIBLE_DEVICES=)")
-    base = make_cfg(a, "bf16", "w4a16", cuda)
+    base = make_cfg(a, a.layers[0], "bf16", max(a.batches))
     init_distributed(base)
-    torch.manual_seed(a.seed)
-    source = build_model(base)[0]
-    device = next(source.parameters()).device
-    dtype = next(source.parameters()).dtype
-    res = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-           "torch": torch.__version__, "dtype": str(dtype), "layers": a.layers, "batches": a.batches,
-           "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "reps": a.reps, "tiny": a.tiny,
-           "cuda_graphs": False, "rates": {}, "rates_all": {}, "checks": {}}
+    res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+           "layers": a.layers, "batches": a.batches, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+           "reps": a.reps, "tiny": a.tiny, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {}, "floor_ms": {},
+           "checks": {}, "overheads": {}, "decode": {}}
     try:
         import triton
         res["triton"] = triton.__version__
     except Exception:
         res["triton"] = None
-    engines = {}
-    for s in a.schemes:
-        weights, scheme = SCHEMES[s]
-        engines[s] = build_engine(make_cfg(a, weights, scheme, cuda), kernels=a.kernels)
-        engines[s].sync_from_model(source, version=0)
-        print(f"[bench] engine {s}: kernels={engines[s].kernels is not None}", file=sys.stderr, flush=True)
-    res["kernels"] = {s: e.kernels is not None for s, e in engines.items()}
-    hf = None
-    if not a.no_hf:
-        try:
-            import transformers
-            res["transformers"] = transformers.__version__
-            hf = hf_model(base, source, device, dtype)
-        except ImportError as e:
-            res["transformers"] = f"unavailable: {e}"
     g = torch.Generator().manual_seed(a.seed + 1)
     vocab = base.model.vocab_size
+    for layers in a.layers:
+        key = str(layers)
+        cfg = make_cfg(a, layers, "fp4", max(a.batches))
+        ctx = a.prompt_len + a.new_tokens / 2
+        res["floor_ms"][key] = {b: {"fp4": hbm_floor_ms(cfg, b, ctx, True, a.hbm_tbs),
+                                    "bf16": hbm_floor_ms(cfg, b, ctx, False, a.hbm_tbs)} for b in a.batches}
+        for name in [e for e in a.engines if e != "hf"]:
+            eng = build_engine(a, layers, name, max(a.batches))
+            res["decode"][name] = eng.decode_mode
+            for b in a.batches:
+                if eng.decode_mode == "eager" and b not in a.eager_batches:
+                    continue
+                ps = prompts_for(a, vocab, b, g)
+                med, rates = decode_rate(lambda p, n, eng=eng: time_engine(eng, p, n), ps, a)
+                res["rates"].setdefault(key, {}).setdefault(name, {})[b] = med
+                res["rates_all"].setdefault(key, {}).setdefault(name, {})[b] = rates
+                if eng.decode_mode == "graphs":
+                    res.setdefault("graph_step_ms", {}).setdefault(key, {}).setdefault(name, {})[b] = \
+                        graph_step_ms(eng, b, a)
+                print(f"[bench] {layers} layers B={b} {name}: {med:.1f} tok/s {[round(r, 1) for r in rates]}"
+                      f" graph step {res.get('graph_step_ms', {}).get(key, {}).get(name, {}).get(b, float('nan')):.3f} ms",
+                      file=sys.stderr, flush=True)
+                write_json(res, a.json)
+            res.setdefault("health", {})[f"{layers}:{name}"] = {k: v for k, v in eng.health().items()
+                                                                if k in ("decode", "graphs_captured", "graph_failure",
+                                                                         "graph_capture_s")}
+            if name == "fp4" and a.overheads and layers == a.layers[0]:
+                ps = prompts_for(a, vocab, a.overheads, g)
+                greedy, _ = decode_rate(lambda p, n: time_engine(eng, p, n), ps, a)
+                sampled, _ = decode_rate(lambda p, n: time_engine(eng, p, n, temperature=1.0), ps, a)
+                res["overheads"]["sampling_vs_greedy"] = {"batch": a.overheads, "greedy": greedy, "sampled": sampled,
+                                                          "slowdown": greedy / sampled - 1}
+            free(eng)
+            eng = None
+        if "hf" in a.engines and layers <= HF_MAX_LAYERS:
+            src = build_engine(a, layers, "bf16-eager", max(a.batches))
+            import transformers
 
-    def prompts_for(b):
-        return torch.randint(0, vocab, (b, a.prompt_len), generator=g).tolist()
-
-    # correctness: kernel engines vs the same scheme with the kernels off, bf16 engine vs HF
-    if not a.no_check:
-        b = next((x for x in sorted(a.batches) if x >= 2), a.batches[0])
-        ps = prompts_for(b)
-        for s, eng in engines.items():
-            if eng.kernels is None:
-                continue
-            weights, scheme = SCHEMES[s]
-            ref = build_engine(make_cfg(a, weights, scheme, cuda), kernels="off")
-            ref.sync_from_model(source, version=0)
-            _, out_k = time_engine(eng, ps, a.new_tokens, device)
-            _, out_r = time_engine(ref, ps, a.new_tokens, device)
-            same = sum(x.tokens == y.tokens for x, y in zip(out_k, out_r))
-            first = [next((i for i, (u, v) in enumerate(zip(x.tokens, y.tokens)) if u != v), len(x.tokens))
-                     for x, y in zip(out_k, out_r)]
-            # log-probs compare only on the common greedy prefix (after a divergence the inputs differ)
-            diffs = [float((x.logprobs[:n] - y.logprobs[:n]).abs().max()) if n else 0.0
-                     for x, y, n in zip(out_k, out_r, first)]
-            res["checks"][f"{s} kernels vs reference"] = {
-                "batch": b, "identical_sequences": f"{same}/{len(ps)}",
-                "mean_matching_prefix": statistics.mean(first), "max_abs_logprob_diff_on_prefix": max(diffs)}
-            del ref
-        if hf is not None and "bf16" in engines:
-            _, out_e = time_engine(engines["bf16"], ps, a.new_tokens, device)
-            _, out_h = time_hf(hf, ps, a.new_tokens, device)
-            first = [next((i for i, (u, v) in enumerate(zip(x.tokens, y)) if u != v), len(y))
-                     for x, y in zip(out_e, out_h)]
-            res["checks"]["bf16 engine vs hf greedy"] = {
-                "batch": b, "first_token_equal": f"{sum(f > 0 for f in first)}/{len(ps)}",
-                "mean_matching_prefix": statistics.mean(first)}
-        print(f"[bench] checks {res['checks']}", file=sys.stderr, flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    del source
-    for b in a.batches:
-        ps = prompts_for(b)
-        for s, eng in engines.items():
-            def timer(p, n, eng=eng):
-                return time_engine(eng, p, n, device)
-            med, all_rates, _ = decode_rate(timer, ps, a, a.reps)
-            res["rates"].setdefault(s, {})[b] = med
-            res["rates_all"].setdefault(s, {})[b] = all_rates
-            print(f"[bench] B={b} {s}: {med:.1f} tok/s {[round(r, 1) for r in all_rates]}", file=sys.stderr, flush=True)
-        if hf is not None:
-            def timer(p, n):
-                return time_hf(hf, p, n, device)
-            med, all_rates, _ = decode_rate(timer, ps, a, a.reps)
-            res["rates"].setdefault("hf", {})[b] = med
-            res["rates_all"].setdefault("hf", {})[b] = all_rates
-            print(f"[bench] B={b} hf: {med:.1f} tok/s", file=sys.stderr, flush=True)
-        if a.json:
-            write_json(res, a.json)        # partial results survive a time limit
+            res["transformers"] = transformers.__version__
+            hf = hf_model(src.cfg, src.model, src.device, next(src.model.parameters()).dtype)
+            free(src)
+            src = None
+            for b in a.batches:
+                ps = prompts_for(a, vocab, b, g)
+                med, rates = decode_rate(lambda p, n: time_hf(hf, p, n), ps, a)
+                res["rates"].setdefault(key, {}).setdefault("hf", {})[b] = med
+                res["rates_all"].setdefault(key, {}).setdefault("hf", {})[b] = rates
+                print(f"[bench] {layers} layers B={b} hf: {med:.1f} tok/s", file=sys.stderr, flush=True)
+            free(hf)
+            hf = None
+            write_json(res, a.json)
+        if a.overheads and layers == a.layers[0]:
+            ps = prompts_for(a, vocab, a.overheads, g)
+            rate = {}
+            for name in ("w4a4", "w4a4-trace"):
+                eng = build_engine(a, layers, name, a.overheads)
+                rate[name], _ = decode_rate(lambda p, n, eng=eng: time_engine(eng, p, n), ps, a)
+                free(eng)
+                eng = None
+            res["overheads"]["trace_r3_capture"] = {"batch": a.overheads, **rate,
+                                                    "slowdown": rate["w4a4"] / rate["w4a4-trace"] - 1}
+            print(f"[bench] overheads {res['overheads']}", file=sys.stderr, flush=True)
+            write_json(res, a.json)
+        if a.check and layers == a.layers[0]:
+            for fast, eager in (("fp4", "fp4-eager"), ("bf16", "bf16-eager"), ("w4a4-trace", "w4a4-trace-eager")):
+                res["checks"][f"{fast} vs {eager}"] = check_pair(a, layers, fast, eager, a.check, vocab, g)
+                print(f"[bench] check {fast}: {res['checks'][f'{fast} vs {eager}']}", file=sys.stderr, flush=True)
+                write_json(res, a.json)
     return res
 
 
-def write_json(res: dict, path: str) -> None:
+def write_json(res: dict, path) -> None:
+    if not path:
+        return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(res, f, indent=1, default=str)
@@ -300,20 +402,30 @@ def write_json(res: dict, path: str) -> None:
 
 
 def table(res: dict) -> str:
-    cols = list(res["rates"])
-    lines = [f"device {res['device']}" + (f" ({res['gpu']})" if res["gpu"] else "") +
-             f", torch {res['torch']}, triton {res.get('triton')}, transformers {res.get('transformers', '-')}, "
-             f"{res['dtype']}; {res['layers']} layers, prompt {res['prompt_len']}, {res['new_tokens']} new tokens, "
-             f"greedy, median of {res['reps']}; CUDA graphs: {'yes' if res['cuda_graphs'] else 'no'}; "
-             f"FP4 kernels: {res['kernels']}", "",
-             "| batch | " + " | ".join(f"{c} tok/s" for c in cols) + " | "
-             + " | ".join(f"{c}/bf16" for c in cols if c not in ("bf16",)) + " |",
-             "|---" * (1 + len(cols) + len([c for c in cols if c != "bf16"])) + "|"]
-    for b in res["batches"]:
-        row = [str(b)] + [f"{res['rates'][c][b]:.1f}" for c in cols]
-        base = res["rates"].get("bf16", {}).get(b)
-        row += [f"{res['rates'][c][b] / base:.2f}x" if base else "-" for c in cols if c != "bf16"]
-        lines.append("| " + " | ".join(row) + " |")
+    lines = [f"{res['gpu'] or 'cpu'}, torch {res['torch']}, triton {res.get('triton')}, transformers "
+             f"{res.get('transformers', '-')}; prompt {res['prompt_len']}, {res['new_tokens']} new tokens, greedy, "
+             f"median of {res['reps']}; decode paths {res['decode']}"]
+    for layers, rates in res["rates"].items():
+        cols = list(rates)
+        ratio = [("fp4", "bf16"), ("fp4", "hf"), ("fp4", "fp4-eager")]
+        ratio = [(x, y) for x, y in ratio if x in cols and y in cols]
+        lines += ["", f"{layers} layers:", "| batch | " + " | ".join(f"{c} tok/s" for c in cols) + " | "
+                  + " | ".join(f"{x}/{y}" for x, y in ratio) + " | fp4 step ms | fp4 graph ms | bf16 graph ms"
+                  " | HBM floor ms | graph/floor |", "|---" * (6 + len(cols) + len(ratio)) + "|"]
+        for b in res["batches"]:
+            nan = float("nan")
+            row = [str(b)] + [f"{rates[c].get(b, nan):.1f}" for c in cols]
+            row += [f"{rates[x].get(b, nan) / rates[y].get(b, nan):.2f}x" for x, y in ratio]
+            floor = res["floor_ms"][layers][b]["fp4"]
+            step = b / rates["fp4"][b] * 1e3 if b in rates.get("fp4", {}) else nan
+            graph = res.get("graph_step_ms", {}).get(layers, {})
+            g4, g16 = graph.get("fp4", {}).get(b, nan), graph.get("bf16", {}).get(b, nan)
+            row += [f"{step:.2f}", f"{g4:.3f}", f"{g16:.3f}", f"{floor:.2f}", f"{g4 / floor:.2f}x"]
+            lines.append("| " + " | ".join(row) + " |")
+    if res.get("health"):
+        lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
+    if res["overheads"]:
+        lines += ["", "overheads: " + "; ".join(f"{k}: {v}" for k, v in res["overheads"].items())]
     if res["checks"]:
         lines += ["", "checks: " + "; ".join(f"{k}: {v}" for k, v in res["checks"].items())]
     return "\n".join(lines)
@@ -326,8 +438,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")    # before anything imports triton
     res = run(a)
     print(table(res), flush=True)
-    if a.json:
-        write_json(res, a.json)
+    write_json(res, a.json)
     return 0
 
 

@@ -9,17 +9,20 @@ Not run in this project's CI (SGLang has no CPU build); see docs/sglang.md for w
     # colocated: in-process sglang.Engine on GPU 0 (also checks release/resume_memory_occupation)
     python tools/sglang_smoke.py --model-path /ckpt/... --colocated --scheme w4a16
 
-Steps (each prints PASS/FAIL; the exit code is the number of failures):
+Steps (each prints PASS/FAIL; the exit code is the number of failures). The synced tensors are every NVFP4 tensor
+of the checkpoint's first --num-layers decoder layers (whole layers: the FP4 reload re-processes a layer from the
+tensors it receives, so an update must send all of them; docs/sglang.md):
  1. generate greedily with log-probs (+ routed experts for MoE checkpoints): shapes, finite log-probs <= 0,
-    expert ids in range, finish reasons;
- 2. weight sync, version 1: the checkpoint's first --num-linears NVFP4 linears re-quantized by OUR codec from
-    their negated values, sent through the adapter (digests checked, ModelOpt names, buckets): outputs must
-    change, and every server must report weight_version 1;
- 3. weight sync, version 2: the checkpoint's own bytes for the same tensors: the release's weight checksum
-    (/weights_checker, disaggregated) must equal the one right after loading, and greedy tokens must equal
-    step 1's exactly (log-probs within --logprob-tol). A failure here means the release does not re-install
-    FP4 weights correctly through this path (it runs no process_weights_after_loading after an update);
- 4. colocated only: release + resume memory, then step 3's outputs again.
+    expert ids in range, finish reasons; record the release's weight checksum (/weights_checker, disaggregated);
+ 2. v1, the checkpoint's own bytes: checksum equal to the freshly loaded one, greedy outputs equal to step 1's;
+ 3. v2, the same tensors re-quantized by OUR codec from their negated values: checksum and outputs change,
+    every server reports weight_version 2;
+ 4. v3, the checkpoint's own bytes again: checksum and outputs equal step 1's;
+ 5. v4, the identical bytes once more: checksum unchanged (a re-sync is idempotent);
+ 6. colocated only: release + resume memory, then step 1's outputs again (in-process there is no checksum: the
+    greedy outputs are the check).
+Steps 2-5 fail on a release / kernel path whose updates leave FP4 layers stale or garbled, e.g. if the FP4 reload
+loaders (custom_loader.py) were not registered or not run.
 """
 from __future__ import annotations
 
@@ -55,22 +58,32 @@ def routing_of(model_path: Path):
                          hf.get("num_experts") or hf["n_routed_experts"], tuple(range(hf["num_hidden_layers"])))
 
 
-def checkpoint_fp4_linears(model_path: Path, limit: int) -> dict[str, FP4Tensor]:
-    """The first `limit` NVFP4 linears of a ModelOpt export, as FP4Tensors of the checkpoint's bytes."""
+def layer_of(name: str):
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+
+
+def checkpoint_fp4_layers(model_path: Path, num_layers: int) -> dict[str, FP4Tensor]:
+    """Every NVFP4 linear of the first `num_layers` decoder layers of a ModelOpt export (whole layers: all q/k/v/o
+    parts and all experts), as FP4Tensors of the checkpoint's bytes. A linear's tensors may sit in different shards."""
     from safetensors import safe_open
 
-    out: dict[str, FP4Tensor] = {}
+    where = {}
     for shard in sorted(model_path.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
-            keys = set(f.keys())
-            for key in sorted(k for k in keys if k.endswith(".weight_scale_2")):
-                base = key[: -len(".weight_scale_2")]
-                if {base + ".weight", base + ".weight_scale"} <= keys:
-                    out[base + ".weight"] = FP4Tensor("nvfp4", f.get_tensor(base + ".weight"),
-                                                      f.get_tensor(base + ".weight_scale"),
-                                                      f.get_tensor(key).float().reshape(()))
-                if len(out) >= limit:
-                    return out
+            where.update({k: shard for k in f.keys()})
+
+    def tensor(key):
+        with safe_open(str(where[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    out: dict[str, FP4Tensor] = {}
+    for key in sorted(k for k in where if k.endswith(".weight_scale_2")):
+        base = key[: -len(".weight_scale_2")]
+        layer = layer_of(base)
+        if layer is not None and layer < num_layers and {base + ".weight", base + ".weight_scale"} <= where.keys():
+            out[base + ".weight"] = FP4Tensor("nvfp4", tensor(base + ".weight"), tensor(base + ".weight_scale"),
+                                              tensor(key).float().reshape(()))
     return out
 
 
@@ -106,7 +119,7 @@ def main() -> int:
     ap.add_argument("--base-gpu-id", type=int, default=1, help="first GPU of the launched server")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--group-port", type=int, default=29600, help="weight-update rendezvous port")
-    ap.add_argument("--num-linears", type=int, default=8, help="FP4 linears to sync")
+    ap.add_argument("--num-layers", type=int, default=1, help="decoder layers whose FP4 tensors are synced")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--logprob-tol", type=float, default=1e-3)
     ap.add_argument("--output-dir", default="runs/sglang_smoke")
@@ -130,28 +143,42 @@ def main() -> int:
         loaded = checksums() if checksums else None
         base = run_greedy(engine, prompts, a.max_new_tokens)
         check_samples(base, routing, "step 1 generate")
-        original = checkpoint_fp4_linears(a.model_path, a.num_linears)
-        if not check(bool(original), "checkpoint has NVFP4 linears (weight, weight_scale, weight_scale_2)"):
+        original = checkpoint_fp4_layers(a.model_path, a.num_layers)
+        if not check(bool(original), f"the first {a.num_layers} layer(s) have NVFP4 linears (weight, weight_scale, "
+                                     "weight_scale_2)"):
             return len(FAILURES)
+        print(f"       syncing {len(original)} NVFP4 linears of {a.num_layers} layer(s)")
         flipped = {n: pack_weight(-p.dequantize(torch.float32), "nvfp4") for n, p in original.items()}
-        sync(engine, flipped, 1)
-        changed = run_greedy(engine, prompts, a.max_new_tokens)
-        check(any(c.tokens != b.tokens or not torch.allclose(c.logprobs, b.logprobs, atol=a.logprob_tol)
-                  for c, b in zip(changed, base)), "step 2: outputs change after syncing negated weights")
-        sync(engine, original, 2)
-        if loaded is not None:
-            check(checksums() == loaded, "step 3: /weights_checker checksum equals the freshly loaded checkpoint's",
-                  f"{checksums()} vs {loaded}")
-        restored = run_greedy(engine, prompts, a.max_new_tokens)
-        for i, (r, b) in enumerate(zip(restored, base)):
-            check(r.tokens == b.tokens and torch.allclose(r.logprobs, b.logprobs, atol=a.logprob_tol),
-                  f"step 3: sample {i} equals the checkpoint's outputs after re-syncing its bytes",
-                  f"tokens {r.tokens} vs {b.tokens}")
+
+        def follows(step: str, weights, version: int, expect_original: bool) -> None:
+            """Sync, then the checksum and greedy outputs must be the loaded checkpoint's iff expect_original."""
+            sync(engine, weights, version)
+            if loaded is not None:
+                now = checksums()
+                check((now == loaded) == expect_original, f"{step}: /weights_checker checksum "
+                      + ("equals" if expect_original else "differs from") + " the freshly loaded checkpoint's",
+                      f"{now} vs {loaded}")
+            out = run_greedy(engine, prompts, a.max_new_tokens)
+            same = [o.tokens == b.tokens and torch.allclose(o.logprobs, b.logprobs, atol=a.logprob_tol)
+                    for o, b in zip(out, base)]
+            if expect_original:
+                for i, (ok, o, b) in enumerate(zip(same, out, base)):
+                    check(ok, f"{step}: sample {i} equals the checkpoint's greedy output", f"{o.tokens} vs {b.tokens}")
+            else:
+                check(not all(same), f"{step}: greedy outputs change")
+
+        follows("step 2 (own bytes)", original, 1, True)
+        follows("step 3 (negated)", flipped, 2, False)
+        follows("step 4 (own bytes again)", original, 3, True)
+        before = checksums() if checksums else None
+        sync(engine, original, 4)
+        if before is not None:
+            check(checksums() == before, "step 5: an identical re-sync leaves the checksum unchanged")
         if a.colocated:
             engine.release_memory()
             engine.resume_memory()
             again = run_greedy(engine, prompts, a.max_new_tokens)
-            check(all(x.tokens == b.tokens for x, b in zip(again, base)), "step 4: release/resume keeps the weights")
+            check(all(x.tokens == b.tokens for x, b in zip(again, base)), "step 6: release/resume keeps the weights")
     finally:
         engine.shutdown()
     print(f"{len(FAILURES)} failure(s)" + (": " + "; ".join(FAILURES) if FAILURES else ""))

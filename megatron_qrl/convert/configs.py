@@ -41,6 +41,8 @@ def conversion_config(checkpoint_fields: dict, source: str, config_path: Optiona
     """
     user = _user_data(config_path, overrides)
     user_model = user.get("model") or {}
+    user_model.pop("hf_path", None)   # a run recipe's model directory: the conversion's source is explicit
+    user.pop("data", None)            # ... and its prompts / chat template: conversions read no data
     fixed = set(fixed)
     conflicts = [f"model.{k}: {source} has {checkpoint_fields[k]!r}, your config/overrides say {user_model[k]!r}"
                  for k in sorted(fixed) if k in user_model and k in checkpoint_fields
@@ -49,6 +51,8 @@ def conversion_config(checkpoint_fields: dict, source: str, config_path: Optiona
         raise ConvertError("the config disagrees with the checkpoint's architecture:\n  " + "\n  ".join(conflicts)
                            + "\nremove these fields from --config/overrides (the checkpoint defines them)")
     data = {k: dict(v) for k, v in (defaults or {}).items()}
+    if checkpoint_fields.get("num_experts") == 0:   # a dense model has no routed experts to quantize
+        data.setdefault("quant", {}).setdefault("targets", "all_linears")
     for section, values in user.items():
         if isinstance(values, dict):
             data.setdefault(section, {}).update(values)
@@ -77,6 +81,7 @@ def config_from_manifest(manifest: dict, source: str, config_path: Optional[str]
     from .qwen3_moe import DERIVED_FIELDS
 
     fields = dict(manifest.get("model") or {})
+    fields.pop("hf_path", None)   # the manifest holds the resolved fields; the directory may have moved
     if not fields:
         raise ConvertError(f"{source} has no model config; it was not written by Trainer.save or qrl convert")
     return conversion_config(fields, source, config_path, overrides, defaults={"quant": manifest.get("quant") or {}},

@@ -1,4 +1,5 @@
-"""`qrl convert mcore-to-hf`: our Megatron checkpoint (any layout) -> a Qwen3-MoE HF safetensors directory.
+"""`qrl convert mcore-to-hf`: our Megatron checkpoint (any layout) -> a Qwen3-MoE (or dense Qwen3) HF
+safetensors directory.
 
 The checkpoint is loaded into one unsharded model (one copy of the weights; Megatron loads in place), then
 HF tensors are produced rule by rule and streamed into bounded safetensors shards. Output dtype: --dtype,
@@ -40,12 +41,17 @@ def dtype_name(name: Optional[str]) -> Optional[str]:
 
 
 def checkpoint_config(checkpoint: str | Path, config: Optional[str] = None, overrides: Iterable[str] = ()):
-    """The run config of a checkpoint (its manifest + --config/overrides), checked to be Qwen3-MoE."""
+    """The run config of a checkpoint (its manifest + --config/overrides), checked to be Qwen3(-MoE)."""
     checkpoint = Path(checkpoint).absolute()
     manifest = manifest_of(checkpoint)
     cfg = config_from_manifest(manifest, f"'{checkpoint}/manifest.json'", config, overrides)
     qwen3_moe.check_supported(cfg.model)
     return cfg
+
+
+def trained_from(checkpoint: str | Path) -> Optional[str]:
+    """The model.hf_path a training run's checkpoint started from (its config, tokenizer), if any."""
+    return (manifest_of(Path(checkpoint).absolute()).get("model") or {}).get("hf_path")
 
 
 def load_checkpoint_model(checkpoint: str | Path, cfg=None):
@@ -81,7 +87,7 @@ def mcore_to_hf(src: str | Path, dst: str | Path, hf_config: Optional[str] = Non
     src, dst = Path(src).absolute(), require_new_output(dst)
     dtype = dtype_name(dtype)
     cfg = checkpoint_config(src)
-    base, side_dir = output_config(src, cfg.model, hf_config)
+    base, side_dir = output_config(src, cfg.model, hf_config, trained_from(src))
     source_dtype = DTYPE_ALIASES.get(config_dtype(base), config_dtype(base))
     out_dtype = dtype or (source_dtype if source_dtype in DTYPES else "bfloat16")
     _, model = load_checkpoint_model(src, cfg)

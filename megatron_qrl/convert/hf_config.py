@@ -1,9 +1,12 @@
-"""config.json handling: read a source config, pick the config written next to exported weights.
+"""config.json handling: read a source config, pick the config and side files written next to exported weights.
 
 Exports (mcore-to-hf, export-nvfp4) write the source model's own config.json when it is known, so the
-round trip returns the same file content: `qrl convert hf-to-mcore` keeps the source config as
-`hf_config.json` inside the checkpoint, `--hf-config` points at one explicitly, and only without either
-is a Qwen3-MoE config generated from the checkpoint's model config.
+round trip returns the same file content, and copy its side files (tokenizer files, chat template,
+generation_config.json), so the output directory loads with transformers / SGLang as it is. The source, in
+this order: `--hf-config DIR`; the config and side files `qrl convert hf-to-mcore` keeps inside the
+checkpoint (`hf_config.json`, `hf_files/`); the `model.hf_path` directory a training run started from (in
+the checkpoint manifest's model config). Only without any of them is a Qwen3(-MoE) config generated from the
+checkpoint's model config (and no tokenizer is written).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from . import qwen3_moe
 from .errors import ConvertError
 
 STORED_CONFIG = "hf_config.json"       # the source config.json, kept inside converted checkpoints
+STORED_FILES = "hf_files"              # ... and its side files (tokenizer, chat template, generation config)
 DTYPE_KEYS = ("torch_dtype", "dtype")  # transformers 4 / 5 spell the weight dtype differently
 # files an HF directory holds besides weights/config that exports carry over (tokenizer, generation config)
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -52,11 +56,12 @@ def with_dtype(hf: dict, dtype: str) -> dict:
     return out
 
 
-def output_config(checkpoint: Path, model_cfg, hf_config: Optional[str]) -> tuple[dict, Optional[Path]]:
-    """(config.json for the export, HF directory whose side files to copy or None).
+def output_config(checkpoint: Path, model_cfg, hf_config: Optional[str],
+                  trained_from: Optional[str] = None) -> tuple[dict, Optional[Path]]:
+    """(config.json for the export, directory whose side files to copy or None).
 
-    Order: --hf-config, the checkpoint's stored source config, a generated one. A given config must describe
-    the checkpoint's architecture.
+    Order: --hf-config, the checkpoint's stored source config (+ stored side files), `trained_from` (the
+    manifest's model.hf_path), a generated config. A given config must describe the checkpoint's architecture.
     """
     side_dir = None
     if hf_config is not None:
@@ -65,7 +70,14 @@ def output_config(checkpoint: Path, model_cfg, hf_config: Optional[str]) -> tupl
         origin = f"--hf-config {hf_config}"
     elif (checkpoint / STORED_CONFIG).is_file():
         base = read_hf_config(checkpoint / STORED_CONFIG)
+        side_dir = checkpoint / STORED_FILES if (checkpoint / STORED_FILES).is_dir() else None
         origin = f"{checkpoint / STORED_CONFIG}"
+    elif trained_from is not None:
+        if not (Path(trained_from) / "config.json").is_file():
+            raise ConvertError(f"the checkpoint was trained from model.hf_path '{trained_from}', which has no "
+                               "config.json any more; pass --hf-config DIR (that model directory) so the export "
+                               "gets its config, tokenizer and generation config")
+        base, side_dir, origin = read_hf_config(trained_from), Path(trained_from), f"model.hf_path {trained_from}"
     else:
         return qwen3_moe.hf_config_from_model(model_cfg), None
     fields = qwen3_moe.model_fields_from_hf(base)
@@ -82,6 +94,7 @@ def copy_side_files(src: Optional[Path], dst: Path) -> list[str]:
     """Copy tokenizer / generation config files (not weights, not config.json) from an HF directory."""
     if src is None:
         return []
+    dst.mkdir(exist_ok=True)
     copied = []
     for f in sorted(src.iterdir()):
         if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_FILES) \

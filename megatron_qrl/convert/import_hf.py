@@ -1,4 +1,4 @@
-"""`qrl convert hf-to-mcore`: a Qwen3-MoE HF safetensors directory -> our Megatron dist checkpoint.
+"""`qrl convert hf-to-mcore`: a Qwen3-MoE (or dense Qwen3) HF safetensors directory -> our Megatron dist checkpoint.
 
 Everything is checked before anything is built or written: the architecture and config.json features,
 then the tensor set (missing, unexpected) and every shape against the mapping. The model is built once,
@@ -19,7 +19,7 @@ from megatron_qrl.logging import progress_bar
 from . import qwen3_moe
 from .configs import conversion_config, single_process
 from .errors import ConvertError
-from .hf_config import STORED_CONFIG, read_hf_config
+from .hf_config import STORED_CONFIG, STORED_FILES, copy_side_files, read_hf_config
 from .mcore_io import build_unsharded_model, save_model_checkpoint
 from .safetensors_io import SafetensorsReader
 from .staging import require_new_output, staged_output
@@ -66,7 +66,7 @@ def check_model_covered(model, rules: list) -> None:
     params = {n for n, _ in model.named_parameters()}
     targets = {r.mcore for r in rules}
     if params != targets:
-        raise ConvertError(f"the Qwen3-MoE mapping does not match the model our layer spec builds (parameters without "
+        raise ConvertError(f"the Qwen3 mapping does not match the model our layer spec builds (parameters without "
                            f"a rule: {_examples(params - targets)}; rules without a parameter: "
                            f"{_examples(targets - params)}); update megatron_qrl/convert/qwen3_moe.py")
 
@@ -99,6 +99,7 @@ def hf_to_mcore(src: str | Path, dst: str | Path, config: Optional[str] = None,
         fill_model(model, reader, rules, cfg.model)
     with staged_output(dst) as tmp:
         save_model_checkpoint(model, cfg, tmp, {"source": {"format": "hf", "path": str(src.absolute()),
-                                                           "architecture": qwen3_moe.ARCHITECTURE}})
+                                                           "architecture": qwen3_moe.architecture(cfg.model)}})
         (tmp / STORED_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+        copy_side_files(src, tmp / STORED_FILES)   # tokenizer, chat template, generation config: for exports
     return dst

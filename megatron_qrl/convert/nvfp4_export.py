@@ -24,7 +24,8 @@ from . import qwen3_moe
 from .calibration import activation_amax, fixed_amax, random_tokens, read_calibration_tokens
 from .hf_config import copy_side_files, output_config, with_dtype
 from .errors import ConvertError
-from .export_hf import DTYPES, checkpoint_config, dtype_name, load_checkpoint_model, write_hf_tensors
+from .export_hf import (DTYPES, checkpoint_config, dtype_name, load_checkpoint_model, trained_from,
+                        write_hf_tensors)
 from .staging import require_new_output, staged_output
 
 GROUP_SIZE = 16
@@ -118,7 +119,7 @@ def export_nvfp4(checkpoint: str | Path, out: str | Path, config: Optional[str] 
     checkpoint, dst = Path(checkpoint).absolute(), require_new_output(out)
     dtype = dtype_name(dtype)
     cfg = checkpoint_config(checkpoint, config, overrides)
-    base, side_dir = output_config(checkpoint, cfg.model, hf_config)
+    base, side_dir = output_config(checkpoint, cfg.model, hf_config, trained_from(checkpoint))
     if input_amax is not None and input_amax <= 0:
         raise ConvertError(f"--input-amax must be > 0, got {input_amax}")
     _, model = load_checkpoint_model(checkpoint, cfg)

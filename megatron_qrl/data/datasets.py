@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from megatron_qrl.data.loaders import DataError, load_gsm8k, load_jsonl, load_parquet
+from megatron_qrl.data.loaders import DataError, load_gsm8k, load_jsonl, load_math, load_parquet
 from megatron_qrl.data.sample import Sample
 from megatron_qrl.data.synthetic import SyntheticTask
 from megatron_qrl.rl.importance import cfg_get
@@ -21,7 +21,8 @@ def split_heldout(samples: Sequence[Sample], eval_size: int, seed: int = 0) -> t
 
 
 def build_datasets(cfg: Any) -> tuple[Sequence[Sample], list[Sample]]:
-    """(train, eval) for data.task: arithmetic/countdown generate themselves; jsonl/parquet/gsm8k read data.path.
+    """(train, eval) for data.task: arithmetic/countdown generate themselves; jsonl/parquet/gsm8k/math read
+    data.path.
     cfg: a DataConfig, or any object/dict with the same field names."""
     get = lambda name, default=None: cfg_get(cfg, name, default)  # noqa: E731
     task, seed, eval_size = get("task", "arithmetic"), int(get("seed", 0)), int(get("eval_size", 64))
@@ -39,14 +40,24 @@ def build_datasets(cfg: Any) -> tuple[Sequence[Sample], list[Sample]]:
         if keys["prompt_key"] == "prompt":  # the generic default: GSM8K calls it "question"
             keys["prompt_key"] = "question"
         samples = load_gsm8k(path, **keys)
+    elif task == "math":
+        prompt_key = get("prompt_key", "problem")
+        samples = load_math(path, "problem" if prompt_key == "prompt" else prompt_key, get("answer_key", "answer"))
     elif task in ("jsonl", "parquet"):
         loader = load_jsonl if task == "jsonl" else load_parquet
-        samples = loader(path, get("prompt_key", "prompt"), get("answer_key", "answer"), task=task)
+        samples = loader(path, get("prompt_key", "prompt"), get("answer_key", "answer"), get("response_key"),
+                         task=task)
     else:
-        raise DataError(f"unknown data.task '{task}'; choose arithmetic, countdown, jsonl, parquet or gsm8k")
+        raise DataError(f"unknown data.task '{task}'; choose arithmetic, countdown, jsonl, parquet, gsm8k or math")
     return split_heldout(samples, eval_size, seed)
 
 
+# tasks whose verifier is not named like the task: MATH answers are LaTeX, checked by math-verify
+TASK_VERIFIERS = {"math": "math_verify"}
+
+
 def task_reward(cfg: Any) -> str:
-    """The reward spec for compute_rewards: data.reward ('module:function') if set, else the task's verifier."""
-    return cfg_get(cfg, "reward", None) or cfg_get(cfg, "task", "arithmetic")
+    """The reward spec for compute_rewards: data.reward ('module:function' or a verifier name) if set, else the
+    task's verifier."""
+    task = cfg_get(cfg, "task", "arithmetic")
+    return cfg_get(cfg, "reward", None) or TASK_VERIFIERS.get(task, task)

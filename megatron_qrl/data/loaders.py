@@ -1,4 +1,5 @@
-"""Local prompt files: JSONL, parquet (needs pyarrow) and GSM8K ({"question", "answer": "... #### 42"}).
+"""Local prompt files: JSONL, parquet (needs pyarrow), GSM8K ({"question", "answer": "... #### 42"}) and
+MATH-style sets ({"problem", "solution": "... \\boxed{\\frac{1}{2}}", optionally "answer"}).
 
 Each row becomes a Sample: prompt = row[prompt_key], answer = str(row[answer_key]), response = row[response_key]
 when given (an SFT target), meta = the other fields (so e.g. countdown rows keep "numbers"/"target") plus the
@@ -100,4 +101,31 @@ def load_gsm8k(path: str | Path, prompt_key: str = "question", answer_key: str =
                             f"{s.answer[-80:]!r}")
         out.append(Sample(prompt=s.prompt, answer=m.group(1).replace(",", ""), response=s.answer,
                           meta=s.meta, task="gsm8k"))
+    return out
+
+
+def load_math(path: str | Path, prompt_key: str = "problem", answer_key: str = "answer",
+              solution_key: str = "solution") -> list[Sample]:
+    """MATH-style rows (JSONL or parquet; e.g. MATH, MATH-500): `answer` is the row's answer column when it has
+    one, else the last \\boxed{...} of the solution; the solution text is the SFT response."""
+    from megatron_qrl.rl.rewards.math_verify_reward import last_boxed
+
+    out = []
+    for i, (where, row) in enumerate(_rows(path)):
+        if isinstance(row, dict) and answer_key not in row:
+            if solution_key not in row:
+                raise DataError(f"{where}: neither '{answer_key}' nor '{solution_key}' in the row (keys: "
+                                f"{sorted(row)}); set data.answer_key to the column with the final answer")
+            boxed = last_boxed(str(row[solution_key]))
+            if boxed is None:
+                raise DataError(f"{where}: no '{answer_key}' column and no \\boxed{{...}} in '{solution_key}': "
+                                f"{str(row[solution_key])[-80:]!r}; set data.answer_key")
+            row = {**row, answer_key: boxed}
+        s = _to_sample(row, where, prompt_key, answer_key, None, "math", i)
+        solution = row.get(solution_key, "") if isinstance(row, dict) else ""
+        meta = {k: v for k, v in s.meta.items() if k != solution_key}
+        out.append(Sample(prompt=s.prompt, answer=s.answer.strip(), response=str(solution or ""), meta=meta,
+                          task="math"))
+    if not out:
+        raise DataError(f"the data file '{path}' holds no rows")
     return out

@@ -1,6 +1,8 @@
 """The RL job's building blocks; launch/train.py strings them together in one screen."""
+from .batch_sampling import batch_collector
 from .evaluate import evaluate
 from .losses import grpo_loss, sft_loss
+from .reference_kl import reference_kl
 from .rollout_batch import RolloutBatch, build_batch, encode_prompts, generate, sft_batch
 from .rollout_service import ColocatedRollouts, RemoteRollouts, serve_rollouts
 from .run_state import latest_checkpoint, mark_latest, step_path
@@ -8,7 +10,7 @@ from .setup import RunSetup, check_job, generate_shard, resume_or_warm_start, sa
 from .trace_bridge import TraceBridge
 from .weight_sync import sync_weights
 
-__all__ = ["ColocatedRollouts", "RemoteRollouts", "RolloutBatch", "RunSetup", "TraceBridge", "build_batch",
-           "check_job", "encode_prompts", "evaluate", "generate", "generate_shard", "grpo_loss", "latest_checkpoint",
-           "mark_latest", "resume_or_warm_start", "save_checkpoint", "serve_rollouts", "sft_batch", "sft_loss",
-           "step_path", "sync_weights", "trainer_batch"]
+__all__ = ["ColocatedRollouts", "RemoteRollouts", "RolloutBatch", "RunSetup", "TraceBridge", "batch_collector",
+           "build_batch", "check_job", "encode_prompts", "evaluate", "generate", "generate_shard", "grpo_loss",
+           "latest_checkpoint", "mark_latest", "reference_kl", "resume_or_warm_start", "save_checkpoint",
+           "serve_rollouts", "sft_batch", "sft_loss", "step_path", "sync_weights", "trainer_batch"]

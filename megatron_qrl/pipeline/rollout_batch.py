@@ -33,6 +33,9 @@ class RolloutBatch:
     r3_expert_ids: Optional[torch.Tensor]  # long [B, T, L, k] or None
     prompt_lens: list[int]
     r3_mask: Optional[torch.Tensor] = None  # float [B, T]: 1 where the engine routed the token (its R3 ids are real)
+    logp_ref: Optional[torch.Tensor] = None  # float [B, T]: the reference policy's log-probs (rl.kl_mode=loss)
+    train_rewards: Optional[torch.Tensor] = None  # [B]: the rewards the advantages use, when not `rewards`
+                                                  # (overlong shaping, a KL reward penalty)
 
     @property
     def num_response_tokens(self) -> int:
@@ -40,7 +43,8 @@ class RolloutBatch:
 
 
 def encode_prompts(tokenizer, samples: Sequence[Sample]) -> list[list[int]]:
-    return [tokenizer.encode(s.prompt, add_bos=True) for s in samples]
+    """The ids generation starts from (the tokenizer's encode_prompt: chat template when it has one)."""
+    return [tokenizer.encode_prompt(s.prompt) for s in samples]
 
 
 def generate(engine: RolloutEngine, tokenizer, prompts: Sequence[Sample], group_size: int,
@@ -60,13 +64,24 @@ def _r3_ids(rollouts: list[RolloutSample], T: int) -> Optional[torch.Tensor]:
     return ids
 
 
-def build_batch(samples: list[Sample], rollouts: list[RolloutSample], tokenizer, group_size: int,
-                normalize_std: bool, reward_fn, time_limit_s: float = 1.0) -> RolloutBatch:
-    """Rewards (verifiers), GRPO advantages and the padded trainer tensors."""
+def score(samples: list[Sample], rollouts: list[RolloutSample], tokenizer, reward_fn,
+          time_limit_s: float = 1.0) -> tuple[list[str], torch.Tensor]:
+    """(decoded responses, float32 rewards [B]) from the verifiers."""
     responses = [tokenizer.decode(r.tokens) for r in rollouts]
     rewards = torch.tensor(compute_rewards(responses, samples, reward_fn, time_limit_s=time_limit_s),
                            dtype=torch.float32)
-    advantages = grpo_advantages(rewards, group_size, normalize_std=normalize_std)
+    return responses, rewards
+
+
+def assemble(samples: list[Sample], rollouts: list[RolloutSample], responses: list[str], rewards: torch.Tensor,
+             tokenizer, group_size: int, normalize_std: bool, shaped_rewards: Optional[torch.Tensor] = None,
+             mask_truncated: bool = False) -> RolloutBatch:
+    """GRPO advantages (from `shaped_rewards` when given, e.g. with the overlong penalty; `rewards` stay the
+    verifiers' for logging) and the padded trainer tensors. mask_truncated: responses that hit the length
+    limit (finish_reason "length") get loss_mask 0 (DAPO's overlong filtering; their rewards still count in
+    their group's advantages)."""
+    advantages = grpo_advantages(rewards if shaped_rewards is None else shaped_rewards, group_size,
+                                 normalize_std=normalize_std)
     T = max(len(r.prompt_ids) + len(r.tokens) for r in rollouts)
     B = len(rollouts)
     tokens = torch.full((B, T), tokenizer.pad_id, dtype=torch.long)
@@ -76,21 +91,29 @@ def build_batch(samples: list[Sample], rollouts: list[RolloutSample], tokenizer,
         seq = r.sequence
         tokens[i, :len(seq)] = torch.tensor(seq)
         P, n = len(r.prompt_ids), len(r.tokens)
-        loss_mask[i, P:P + n] = 1.0
+        loss_mask[i, P:P + n] = 0.0 if (mask_truncated and r.finish_reason == "length") else 1.0
         if r.logprobs is not None:
             logp[i, P:P + n] = r.logprobs.float().cpu()
     r3_ids = _r3_ids(rollouts, T)
     r3_mask = (torch.arange(T)[None, :] < torch.tensor([r.num_forwarded for r in rollouts])[:, None]).float() \
         if r3_ids is not None else None
     return RolloutBatch(samples, rollouts, responses, rewards, advantages, tokens, loss_mask, logp,
-                        r3_ids, [len(r.prompt_ids) for r in rollouts], r3_mask)
+                        r3_ids, [len(r.prompt_ids) for r in rollouts], r3_mask, train_rewards=shaped_rewards)
+
+
+def build_batch(samples: list[Sample], rollouts: list[RolloutSample], tokenizer, group_size: int,
+                normalize_std: bool, reward_fn, time_limit_s: float = 1.0) -> RolloutBatch:
+    """Rewards (verifiers), GRPO advantages and the padded trainer tensors."""
+    responses, rewards = score(samples, rollouts, tokenizer, reward_fn, time_limit_s)
+    return assemble(samples, rollouts, responses, rewards, tokenizer, group_size, normalize_std)
 
 
 def sft_batch(samples: Sequence[Sample], tokenizer) -> dict:
-    """Prompt + reference response + EOS, loss on the response tokens (the SFT warm start)."""
+    """Prompt (as generation sees it) + reference response + EOS, loss on the response tokens and the EOS
+    (the SFT warm start)."""
     seqs, prompt_lens = [], []
     for s in samples:
-        p = tokenizer.encode(s.prompt, add_bos=True)
+        p = tokenizer.encode_prompt(s.prompt)
         seqs.append(p + tokenizer.encode(s.response) + [tokenizer.eos_id])
         prompt_lens.append(len(p))
     T = max(map(len, seqs))

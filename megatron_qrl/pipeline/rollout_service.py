@@ -2,7 +2,9 @@
 
 `Rollouts` (what launch/train.py calls on trainer ranks):
     sync(step) -> metrics                       trainer weights (FP4 bytes + digests) to the engines, AQN draw
-    generate(prompts, step) -> (samples, rollouts, metrics)   every trainer rank gets the whole batch
+    generate(prompts, step, first_index=0) -> (samples, rollouts, metrics)   every trainer rank gets the
+                                                whole batch; first_index: the global sample index of its first
+                                                response (a step's later generate calls, dynamic sampling)
     trace(batch, step) -> (trace_guides hook | None, metrics)  this rank's part of the TRACE cache
     idle() / evaluate(step) -> metrics
 
@@ -112,11 +114,11 @@ class ColocatedRollouts:
     def sync(self, step: int) -> dict:
         return sync_weights(self.s.engine_ready(), self.s.trainer, self.s.cfg, step, version=step)
 
-    def generate(self, prompts: list, step: int):
+    def generate(self, prompts: list, step: int, first_index: int = 0):
         from .setup import generate_shard
 
         t0 = time.perf_counter()
-        samples, rollouts = generate_shard(self.s, prompts, step)
+        samples, rollouts = generate_shard(self.s, prompts, step, first_index)
         return samples, rollouts, {"rollout/s": time.perf_counter() - t0}
 
     def trace(self, batch, step: int):
@@ -170,7 +172,9 @@ class RemoteRollouts:
                 "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())),
                 "sync/wire_bytes": float(sent), "aqn/sigma": sigma}
 
-    def generate(self, prompts: list, step: int):
+    def generate(self, prompts: list, step: int, first_index: int = 0):
+        if first_index:   # config validation refuses rl.dynamic_sampling here
+            raise ValueError("disaggregated engine ranks generate one batch per step (no dynamic sampling)")
         parts = gather_from_engines(None, self.place)
         samples = [x for p in parts for x in p["samples"]]
         rollouts = [x for p in parts for x in p["rollouts"]]

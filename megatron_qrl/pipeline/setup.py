@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.data import CharTokenizer, PromptBatches, build_datasets, task_reward
+from megatron_qrl.data import PromptBatches, Tokenizer, prepare_inputs, task_reward
 from megatron_qrl.rollout.protocol import SamplingParams
 
 from .guards import StepGuard
@@ -34,7 +34,7 @@ class RunSetup:
     cfg: Any
     trainer: Any
     engine: Any
-    tokenizer: CharTokenizer
+    tokenizer: Tokenizer
     train_set: Any
     eval_set: list
     prompts: PromptBatches
@@ -52,14 +52,10 @@ class RunSetup:
         from megatron_qrl.trainer import Trainer
 
         check_rl_layout(cfg)
+        tokenizer, train_set, eval_set = prepare_inputs(cfg)   # checked before any process group or file
         # disaggregated: engines wait in a collective while the trainers run the SFT warm start
         init_process_group(timeout_minutes=120 if cfg.rollout.placement == "disaggregated" else 10)
         place = Placement.from_config(cfg, dist.get_world_size())
-        tokenizer = CharTokenizer()
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-                             f"{tokenizer.vocab_size} ids; set model.vocab_size >= {tokenizer.vocab_size}")
-        train_set, eval_set = build_datasets(cfg.data)
         me = dist.get_rank()   # disaggregated: trainer ranks hold no engine, engine ranks no trainer
         trainer = Trainer(cfg) if place.is_trainer(me) else None
         if trainer is None:
@@ -127,7 +123,7 @@ class RunSetup:
     def sampling(self, step: int, index_offset: int = 0) -> SamplingParams:
         """Seeded by (run seed, step); each response's generator by its global index in the batch."""
         seed = (self.cfg.rollout.seed * 1_000_003 + step * 101) % (2 ** 31)
-        return SamplingParams.from_config(self.cfg.rollout, stop_token_ids=(self.tokenizer.eos_id,), seed=seed,
+        return SamplingParams.from_config(self.cfg.rollout, stop_token_ids=self.tokenizer.stop_ids, seed=seed,
                                           index_offset=index_offset)
 
     # ------------------------------------------------------------------------------------- metrics
@@ -201,14 +197,15 @@ def check_job(cfg, world_size: int) -> None:
     cfg.check_world_size(Placement.from_config(cfg, world_size).num_trainers)
 
 
-def generate_shard(s: RunSetup, prompts: list, step: int):
+def generate_shard(s: RunSetup, prompts: list, step: int, first_index: int = 0):
     """Colocated: each rank's engine generates a contiguous share of the prompt groups (the same shares,
-    seeds and sample indices as that many disaggregated engines); all ranks get all."""
+    seeds and sample indices as that many disaggregated engines); all ranks get all. Sample indices start
+    at first_index (a step's later generate calls draw fresh seeds)."""
     G = s.cfg.rollout.group_size
     rank, world = dist.get_rank(), dist.get_world_size()
     first, stop = engine_share(len(prompts), rank, world)
     samples = [p for p in prompts[first:stop] for _ in range(G)]
-    sampling = s.sampling(step, index_offset=first * G)
+    sampling = s.sampling(step, index_offset=first_index + first * G)
     rollouts = s.guard.generate(encode_prompts(s.tokenizer, samples), sampling, step)  # restarts a failed engine
     if world > 1:
         parts: list = [None] * world
@@ -227,7 +224,10 @@ def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Ten
     if batch.r3_mask is not None:
         out["r3_mask"] = batch.r3_mask
     if logp_old is not None:
-        out.update(logp_old=logp_old, advantages=batch.advantages, is_weights=weights)
+        out.update(logp_old=logp_old, advantages=batch.advantages, is_weights=weights,
+                   num_loss_sequences=float((batch.loss_mask.sum(-1) > 0).sum()))   # rl.loss_agg_mode
+        if batch.logp_ref is not None:
+            out["logp_ref"] = batch.logp_ref   # rl.kl_mode=loss
     return out
 
 
@@ -255,6 +255,10 @@ def resume_or_warm_start(s: RunSetup) -> int:
                            "run.resume=false (or another run.output_dir)")
     if cfg.run.init_checkpoint:  # weights only (a converted HF model or another run's checkpoint)
         s.load_checkpoint(cfg.run.init_checkpoint, load_optimizer=False)
+    elif cfg.model.hf_path and s.trainer is not None:   # the model directory's safetensors, into every shard
+        from megatron_qrl.convert.load_hf import load_hf_weights
+
+        load_hf_weights(s.trainer, cfg.model.hf_path)
     if cfg.run.sft_steps and s.trainer is not None:
         sft_warm_start(s)
     return 0

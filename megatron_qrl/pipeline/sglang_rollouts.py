@@ -106,7 +106,7 @@ class SGLangServerRollouts:
         s.engine.retained_update = (weights, hashes, step)      # for a restart during this step's generation
         return _install(s.engine, weights, hashes, step, sigma, t0)
 
-    def generate(self, prompts: list, step: int):
+    def generate(self, prompts: list, step: int, first_index: int = 0):
         from .rollout_batch import encode_prompts
         from .rollout_service import broadcast_object
 
@@ -114,7 +114,8 @@ class SGLangServerRollouts:
         t0 = time.perf_counter()
         samples = [p for p in prompts for _ in range(s.cfg.rollout.group_size)]
         mine = samples if dist.get_rank() == 0 else []               # rank 0 asks SGLang for the whole batch
-        rollouts = s.guard.generate(encode_prompts(s.tokenizer, mine) if mine else [], s.sampling(step), step)
+        rollouts = s.guard.generate(encode_prompts(s.tokenizer, mine) if mine else [], s.sampling(step, first_index),
+                                    step)
         if dist.get_world_size() > 1:
             rollouts = broadcast_object(rollouts if dist.get_rank() == 0 else None, src=0)
         return samples, rollouts, {"rollout/s": time.perf_counter() - t0}

@@ -1,14 +1,20 @@
-"""Importance-sampling corrections of the rollout/train mismatch (METHODS.md section 4).
+"""Importance-sampling corrections of the rollout/train mismatch (METHODS.md sections 4 and 8).
 
-rho_t = exp(logp_train_old - logp_rollout) per valid token. Methods:
+d_t = logp_train_old - logp_rollout per valid token. The correction acts on *units* of one level
+(rl.is_level), each with a ratio R:
+  token   a unit per token,    R = rho_t = exp(d_t)
+  seq     a unit per response, R = rho_seq = exp(sum_t d_t)   (product of the token ratios; verl's "seq")
+  geo     a unit per response, R = rho_geo = exp(mean_t d_t)  (geometric mean; verl's "geo")
+Methods, per unit:
   none    w = 1
-  tis     w = min(rho, tis_C)
-  mis     w = rho * 1[1/mis_U <= rho <= mis_U] per token, or per sequence with rho_seq = geometric mean of
-          the sequence's token rhos (mis_level=sequence); mask_weight=one keeps w = 1 instead of rho
-  icepop  w = rho * 1[icepop_low <= rho <= icepop_high]  (mask_weight=one: w = 1 inside)
-  ais     w = 1 + alpha * (min(rho, C) - 1), alpha from batch statistics (see `ais_alpha`)
-Weights are detached and 0 at mask==0 positions. All batch statistics are sums/counts in float64,
-all-reduced over ``group`` so data-parallel shards reproduce the single-process result.
+  tis     w = min(R, tis_C)
+  mis     w = R * 1[1/mis_U <= R <= mis_U]       (mask_weight=one keeps w = 1 instead of R)
+  icepop  w = R * 1[icepop_low <= R <= icepop_high]
+  ais     w = 1 + alpha * (min(R, C) - 1), alpha from statistics over the batch's units (see `ais_alpha`;
+          at a sequence level: over responses, A = the response's advantage, dbar = mean |log R|)
+A response's weight applies to each of its tokens. Weights are detached and 0 at mask==0 positions. All
+batch statistics are sums/counts in float64, all-reduced over ``group`` so data-parallel shards reproduce
+the single-process result (a response never spans ranks).
 """
 from __future__ import annotations
 
@@ -17,12 +23,17 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.rl.mismatch import mismatch_metrics
 from megatron_qrl.rl.reduce import all_reduce_max, global_sums
 
 METHODS = ("none", "tis", "mis", "icepop", "ais")
+LEVELS = ("token", "seq", "geo")
+# log R of a product ratio is clamped here before exp, so rho_seq stays finite in float64 (weights are
+# truncated or masked long before that)
+_SEQ_LOG_RATIO_MAX = 700.0
 
 _DEFAULTS = {"C": 2.0, "delta": 0.05, "gamma": 1.0, "beta": 0.5, "tis_C": 2.0, "mis_U": 2.0,
-             "mis_level": "token", "icepop_low": 0.5, "icepop_high": 2.0, "mask_weight": "rho"}
+             "mis_level": "token", "is_level": "token", "icepop_low": 0.5, "icepop_high": 2.0, "mask_weight": "rho"}
 _STD_A_ZERO = 1e-12  # std(A) at or below this is "no advantage spread": alpha_var = 0
 
 
@@ -52,7 +63,8 @@ def _broadcast_tokens(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def ais_alpha(wbar: torch.Tensor, absdiff: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, cfg,
               group=None) -> dict[str, float]:
-    """alpha and its factors from the batch's valid tokens (float64 inputs, `valid` boolean).
+    """alpha and its factors from the batch's valid units (float64 inputs of one shape, `valid` boolean):
+    tokens [B, T] at the token level, responses [B] at a sequence level.
 
     alpha_ess = (1 + CV^2(wbar))^-1/2, alpha_mis = min(1, mean|d| / delta),
     alpha_var = max(0, (std(wbar*A)/std(A) - gamma)/gamma), alpha = clip(alpha_ess - beta*alpha_var, 0, 1)*alpha_mis.
@@ -89,21 +101,103 @@ def ais_alpha(wbar: torch.Tensor, absdiff: torch.Tensor, adv: torch.Tensor, vali
             "ais/alpha_var": alpha_var, "ais/cv": cv, "ais/dsigma": dsigma, "ais/dbar": dbar}
 
 
-def _seq_rho(log_rho: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Geometric-mean sequence ratio exp(mean_t log rho_t) over each row's valid tokens, [B, 1]."""
-    v = valid.to(log_rho.dtype)
-    cnt = v.sum(-1, keepdim=True).clamp_min(1)
-    return torch.exp((log_rho * v).sum(-1, keepdim=True) / cnt)
+def is_level(cfg: Any, method: str) -> str:
+    """The unit level of the correction: rl.is_level; the deprecated rl.mis_level=sequence means geo for mis."""
+    level = str(cfg_get(cfg, "is_level"))
+    if level not in LEVELS:
+        raise ValueError(f"unknown IS level '{level}'; choose one of {', '.join(LEVELS)} (rl.is_level)")
+    if level == "token" and method == "mis":
+        old = str(cfg_get(cfg, "mis_level"))
+        if old not in ("token", "sequence"):
+            raise ValueError(f"mis_level must be 'token' or 'sequence' (got '{old}'); prefer rl.is_level")
+        level = "geo" if old == "sequence" else level
+    return level
+
+
+class _Units:
+    """The batch seen as units of one level: their log ratio, validity and advantage, and the way back to
+    tokens. Token level: the [B, T] tensors themselves. Sequence levels: one entry per response ([B]); a
+    response without valid tokens is not a unit."""
+
+    def __init__(self, level: str, log_rho: torch.Tensor, valid: torch.Tensor, adv: torch.Tensor):
+        self.level, self.shape = level, log_rho.shape
+        if level == "token":
+            self.log_ratio, self.valid, self.adv = log_rho, valid, adv
+            return
+        v = valid.to(torch.float64)
+        count = v.sum(-1)
+        total = (log_rho * v).sum(-1)
+        log_r = total if level == "seq" else total / count.clamp_min(1.0)
+        self.log_ratio = log_r.clamp(-_SEQ_LOG_RATIO_MAX, _SEQ_LOG_RATIO_MAX)
+        self.valid = count > 0
+        self.adv = (adv * v).sum(-1) / count.clamp_min(1.0)   # the response's advantage (GRPO: constant)
+
+    def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.level == "token" else x[:, None].expand(self.shape)
+
+
+def _window(method: str, cfg: Any) -> tuple[float, float]:
+    """The ratio window [lo, hi] each method trusts (none: MIS's, so the diagnostic exists for every method)."""
+    if method == "tis":
+        return 0.0, float(cfg_get(cfg, "tis_C"))
+    if method == "ais":
+        return 0.0, float(cfg_get(cfg, "C"))
+    if method == "icepop":
+        lo, hi = float(cfg_get(cfg, "icepop_low")), float(cfg_get(cfg, "icepop_high"))
+        if not 0 < lo < hi:
+            raise ValueError(f"IcePop needs 0 < icepop_low < icepop_high (got {lo}, {hi}): rl.icepop_*")
+        return lo, hi
+    u = float(cfg_get(cfg, "mis_U"))
+    if u <= 1:
+        raise ValueError(f"mis_U must be > 1 (got {u})")
+    return 1.0 / u, u
+
+
+def _unit_weights(method: str, units: _Units, cfg: Any, group, stats: dict):
+    """(weight, kept, truncated) per unit; AIS adds its factors to `stats`."""
+    ratio = torch.exp(units.log_ratio)
+    kept = units.valid
+    truncated = torch.zeros_like(units.valid)
+    lo, hi = _window(method, cfg)
+    if method == "none":
+        w = torch.ones_like(ratio)
+    elif method == "tis":
+        w, truncated = ratio.clamp(max=hi), ratio > hi
+    elif method in ("mis", "icepop"):
+        keep_weight = str(cfg_get(cfg, "mask_weight"))
+        if keep_weight not in ("rho", "one"):
+            raise ValueError(f"mask_weight must be 'rho' or 'one' (got '{keep_weight}')")
+        inside = (ratio >= lo) & (ratio <= hi)
+        kept = units.valid & inside
+        w = torch.where(inside, ratio if keep_weight == "rho" else torch.ones_like(ratio), torch.zeros_like(ratio))
+    else:  # ais
+        wbar = ratio.clamp(max=hi)
+        truncated = ratio > hi
+        adv = torch.where(units.valid, units.adv, torch.zeros_like(units.adv))
+        stats.update(ais_alpha(wbar, units.log_ratio.abs(), adv, units.valid, cfg, group))
+        w = 1.0 + stats["ais/alpha"] * (wbar - 1.0)
+    return w, kept, truncated
+
+
+def _extremes(x: torch.Tensor, valid: torch.Tensor, group) -> tuple[float, float]:
+    """(max, min) of x over valid entries of the whole batch (0, 0 when there are none)."""
+    neg_inf = torch.full((), -math.inf, dtype=torch.float64, device=x.device)
+    ext = torch.stack([torch.where(valid, x, neg_inf).amax() if x.numel() else neg_inf,
+                       torch.where(valid, -x, neg_inf).amax() if x.numel() else neg_inf])
+    hi, neg_lo = all_reduce_max(ext, group).tolist()
+    return (hi, -neg_lo) if math.isfinite(hi) else (0.0, 0.0)
 
 
 def is_weights(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor, advantages: torch.Tensor,
                mask: torch.Tensor, method: str, cfg: Any = None, group=None) -> tuple[torch.Tensor, dict]:
     """Per-token IS weights [B, T] (detached, 0 where mask==0) and a stats dict of python floats.
 
-    Stats for every method: is/weight_mean, is/masked_frac, is/rho_mean, is/rho_min, is/rho_max,
-    is/truncated_frac (rho > C for tis/ais), mismatch/logp_abs_diff, mismatch/k3 (KL(rollout||train)
-    estimate), is/num_tokens; for ais also ais/alpha, ais/alpha_ess, ais/alpha_mis, ais/alpha_var, ais/cv,
-    ais/dsigma, ais/dbar. All are means over the whole (all-reduced) batch's valid tokens.
+    Stats for every method, means over the whole (all-reduced) batch's valid tokens: is/weight_mean,
+    is/masked_frac, is/rho_mean, is/rho_min, is/rho_max (token rho), is/truncated_frac (tokens whose unit's
+    ratio exceeds C for tis/ais), is/num_tokens, and the mismatch/* metrics of rl/mismatch.py. At a sequence
+    level also, over responses: is/seq_ratio_mean, is/seq_ratio_min, is/seq_ratio_max, is/seq_masked_frac,
+    is/num_sequences. AIS adds ais/alpha, ais/alpha_ess, ais/alpha_mis, ais/alpha_var, ais/cv, ais/dsigma,
+    ais/dbar.
     """
     method = (method or "none").lower()
     if method not in METHODS:
@@ -111,6 +205,7 @@ def is_weights(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor, advanta
     if logp_train_old.shape != logp_rollout.shape or logp_train_old.shape != mask.shape:
         raise ValueError(f"shape mismatch: logp_train_old {tuple(logp_train_old.shape)}, logp_rollout "
                          f"{tuple(logp_rollout.shape)}, mask {tuple(mask.shape)}")
+    level = is_level(cfg, method)
     out_dtype = torch.promote_types(logp_train_old.dtype, torch.float32)  # never round weights to bf16
     valid = mask.detach().ne(0)
     v = valid.to(torch.float64)
@@ -118,57 +213,29 @@ def is_weights(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor, advanta
     lr = logp_rollout.detach().to(torch.float64)
     log_rho = torch.where(valid, lt - lr, torch.zeros_like(lt))  # padding may hold garbage / inf
     rho = torch.exp(log_rho)
-    absdiff = log_rho.abs()
-    kept = valid
-    truncated = torch.zeros_like(valid)
+    adv = torch.where(valid, _broadcast_tokens(advantages.detach(), lt).to(torch.float64), torch.zeros_like(lt))
+    units = _Units(level, log_rho, valid, adv)
 
-    if method == "none":
-        w = torch.ones_like(rho)
-    elif method == "tis":
-        c = float(cfg_get(cfg, "tis_C"))
-        w, truncated = rho.clamp(max=c), rho > c
-    elif method in ("mis", "icepop"):
-        if method == "mis":
-            u = float(cfg_get(cfg, "mis_U"))
-            if u <= 1:
-                raise ValueError(f"mis_U must be > 1 (got {u})")
-            lo, hi = 1.0 / u, u
-            level = str(cfg_get(cfg, "mis_level"))
-            if level not in ("token", "sequence"):
-                raise ValueError(f"mis_level must be 'token' or 'sequence' (got '{level}')")
-            ratio = _seq_rho(log_rho, valid).expand_as(rho) if level == "sequence" else rho
-        else:
-            lo, hi = float(cfg_get(cfg, "icepop_low")), float(cfg_get(cfg, "icepop_high"))
-            ratio = rho
-        keep_weight = str(cfg_get(cfg, "mask_weight"))
-        if keep_weight not in ("rho", "one"):
-            raise ValueError(f"mask_weight must be 'rho' or 'one' (got '{keep_weight}')")
-        inside = (ratio >= lo) & (ratio <= hi)
-        kept = valid & inside
-        w = torch.where(inside, ratio if keep_weight == "rho" else torch.ones_like(ratio), torch.zeros_like(ratio))
     stats: dict[str, float] = {}
-    if method == "ais":
-        c = float(cfg_get(cfg, "C"))
-        wbar = rho.clamp(max=c)
-        truncated = rho > c
-        adv = _broadcast_tokens(advantages.detach(), lt).to(torch.float64)
-        adv = torch.where(valid, adv, torch.zeros_like(adv))
-        stats.update(ais_alpha(wbar, absdiff, adv, valid, cfg, group))
-        w = 1.0 + stats["ais/alpha"] * (wbar - 1.0)
+    w_unit, kept_unit, truncated_unit = _unit_weights(method, units, cfg, group, stats)
+    w = torch.where(valid, units.to_tokens(w_unit), torch.zeros_like(rho))
+    kept = valid & units.to_tokens(kept_unit)
+    truncated = valid & units.to_tokens(truncated_unit)
 
-    w = torch.where(valid, w, torch.zeros_like(w))
-    n, s_w, s_masked, s_rho, s_d, s_k3, s_tr = global_sums(
-        [v, w, (valid & ~kept).to(torch.float64), rho * v, absdiff * v, (rho - 1.0 - log_rho) * v,
-         truncated.to(torch.float64) * v], group).tolist()
-    # mismatch/k3: E_rollout[rho - 1 - log rho] estimates KL(pi_rollout || pi_train) from rollout samples.
-    neg_inf = torch.full_like(rho, -math.inf)
-    ext = torch.stack([torch.where(valid, rho, neg_inf).amax() if rho.numel() else neg_inf.new_tensor(-math.inf),
-                       torch.where(valid, -rho, neg_inf).amax() if rho.numel() else neg_inf.new_tensor(-math.inf)])
-    rmax, neg_rmin = all_reduce_max(ext, group).tolist()
+    n, s_w, s_masked, s_rho, s_tr = global_sums(
+        [v, w, (valid & ~kept).to(torch.float64), rho * v, truncated.to(torch.float64)], group).tolist()
+    rmax, rmin = _extremes(rho, valid, group)
     d = max(n, 1.0)
-    stats.update({
-        "is/weight_mean": s_w / d, "is/masked_frac": s_masked / d, "is/rho_mean": s_rho / d,
-        "is/rho_max": rmax if n else 0.0, "is/rho_min": -neg_rmin if n else 0.0, "is/truncated_frac": s_tr / d,
-        "mismatch/logp_abs_diff": s_d / d, "mismatch/k3": s_k3 / d, "is/num_tokens": n,
-    })
+    stats.update({"is/weight_mean": s_w / d, "is/masked_frac": s_masked / d, "is/rho_mean": s_rho / d,
+                  "is/rho_max": rmax, "is/rho_min": rmin, "is/truncated_frac": s_tr / d, "is/num_tokens": n})
+    if level != "token":
+        uv = units.valid.to(torch.float64)
+        ratio = torch.exp(units.log_ratio)
+        n_seq, s_ratio, s_dropped = global_sums([uv, ratio * uv, (units.valid & ~kept_unit).to(torch.float64)],
+                                                group).tolist()
+        smax, smin = _extremes(ratio, units.valid, group)
+        stats.update({"is/seq_ratio_mean": s_ratio / max(n_seq, 1.0), "is/seq_ratio_max": smax,
+                      "is/seq_ratio_min": smin, "is/seq_masked_frac": s_dropped / max(n_seq, 1.0),
+                      "is/num_sequences": n_seq})
+    stats.update(mismatch_metrics(log_rho, valid, _window(method, cfg), group))
     return w.to(out_dtype), stats

@@ -1,15 +1,15 @@
-"""Token-level clipped GRPO/PPO objective with IS weights and an optional k3 KL to a reference.
+"""Token-level clipped GRPO/PPO objective with IS weights and an optional KL to a reference.
 
 Per valid token t:  r = exp(logp_new - logp_old),
   pg_t = -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A) * w_t            (w_t: IS weight, section 4)
-  kl_t = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1           (k3, only when kl_coef > 0)
-  loss = sum_t (pg_t + kl_coef * kl_t) / N
+  kl_t = k(logp_ref - logp_new), k = k1 / k2 / k3 (rl/kl.py; k3 clipped) (only when kl_coef > 0)
+  loss = sum_t c_t (pg_t + kl_coef * kl_t)
 
-Normaliser N: the *global token mean*. N = num_tokens_global (all valid tokens of the optimizer step's
-batch, over every micro-batch and data-parallel rank) when given, else this call's own valid-token count.
-With N global, the per-micro-batch losses summed over micro-batches and ranks equal the loss of one process
-on the whole batch, and so do the summed gradients: every token weighs the same, however the batch is split
-(a per-sequence or per-micro-batch mean would weight tokens of short sequences / small shards more).
+Coefficients c_t: `token_coef` when given (rl/loss_agg.py: token-mean, seq-mean-token-mean,
+seq-mean-token-sum from global counts), else the *global token mean* c_t = 1/N with N = num_tokens_global
+(all valid tokens of the optimizer step's batch, over every micro-batch and data-parallel rank) or, without
+it, this call's own valid-token count. With global counts the per-micro-batch losses summed over
+micro-batches and ranks equal the loss of one process on the whole batch, and so do the summed gradients.
 """
 from __future__ import annotations
 
@@ -18,19 +18,21 @@ from typing import Optional
 import torch
 
 from megatron_qrl.rl.importance import _broadcast_tokens
+from megatron_qrl.rl.kl import kl_estimate
 
 
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 is_weights: Optional[torch.Tensor] = None, clip_low: float = 0.2, clip_high: float = 0.28, *,
                 num_tokens_global: Optional[float | int | torch.Tensor] = None,
-                logp_ref: Optional[torch.Tensor] = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+                token_coef: Optional[torch.Tensor] = None, logp_ref: Optional[torch.Tensor] = None,
+                kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict]:
     """(loss, stats). `loss` is a 0-dim tensor with gradient w.r.t. logp_new.
 
     stats (0-dim detached float64 tensors, no host sync; float(v) to log), means over *this call's* valid
     tokens: pg/loss (the returned loss), pg/pg_loss, pg/clip_frac (tokens where the clipped branch is active),
     pg/clip_frac_low, pg/clip_frac_high, pg/ratio_mean, pg/ratio_max, pg/approx_kl (k3 estimate of
     KL(old||new)), pg/is_weight_mean, pg/num_tokens (count, for weighted averaging across micro-batches),
-    and kl/ref_kl when a reference is used.
+    and pg/kl_loss (mean KL estimate to the reference) when a reference is used.
     """
     valid = mask.detach().ne(0)
     # bf16 log-probs would make exp(ratio) coarse (~0.4% steps): compute in at least float32
@@ -52,16 +54,18 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     kl = None
     if logp_ref is not None and kl_coef:
         d = torch.where(valid, logp_ref.detach().to(logp_new.dtype) - logp_new, zeros)
-        kl = torch.exp(d) - d - 1.0
+        kl = torch.where(valid, kl_estimate(d, kl_estimator, clip=True), zeros)
         per_token = pg + kl_coef * kl
 
-    n_local = valid.sum()
-    if num_tokens_global is None:
-        denom = n_local.clamp_min(1).to(logp_new.dtype)
-    else:
-        denom = torch.as_tensor(num_tokens_global, dtype=logp_new.dtype, device=logp_new.device).clamp_min(1)
     per_token = torch.where(valid, per_token, zeros)
-    loss = per_token.sum() / denom
+    if token_coef is not None:
+        loss = (per_token * torch.where(valid, token_coef.detach().to(logp_new.dtype), zeros)).sum()
+    else:
+        if num_tokens_global is None:
+            denom = valid.sum().clamp_min(1).to(logp_new.dtype)
+        else:
+            denom = torch.as_tensor(num_tokens_global, dtype=logp_new.dtype, device=logp_new.device).clamp_min(1)
+        loss = per_token.sum() / denom
 
     with torch.no_grad():
         v = valid.to(torch.float64)
@@ -82,5 +86,5 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
             "pg/num_tokens": v.sum(),
         }
         if kl is not None:
-            stats["kl/ref_kl"] = (kl.detach().double() * v).sum() / n
+            stats["pg/kl_loss"] = (kl.detach().double() * v).sum() / n
     return loss, stats

@@ -24,12 +24,14 @@ import torch
 
 from .attention import StepBatch
 from .capture import RolloutRecords, RoutingRecorder, concat_rows, recording_trace, traced_sites
+from .decode_path import build_graph_loop, resolve_decode_mode
 from .kernel_linears import KernelLinears, kernels_wanted
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .protocol import RolloutSample, SamplingParams, WeightUpdateError
-from .sampling import policy_logprobs, sample_token, sequence_generator
+from .sampling import policy_logprobs, sample_step, sequence_generator
 from .scheduler import ContinuousBatchScheduler, Sequence, StepPlan
+from .static_decode import unsupported_reason
 from .weights import FP4_FORMATS, Payload, WeightStore, pack_state
 
 
@@ -81,7 +83,7 @@ class EmbeddedEngine:
         self.cache = KVCache(num_layers=len(self.model.decoder.layers), max_slots=self.max_batch_size,
                              max_len=cfg.model.max_sequence_length, num_kv_heads=mc.num_query_groups,
                              head_dim=cfg.model.head_dim, dtype=mc.params_dtype, device=self.device,
-                             kv_format=ro.kv_cache)
+                             kv_format=ro.kv_cache, scratch=True)
         self.runner = ModelRunner(self.model, self.cache)
         self.routing = RoutingRecorder(self.model)
         self.keep_codes = keep_codes
@@ -89,6 +91,9 @@ class EmbeddedEngine:
         self.trace_sites = traced_sites(self.model, self.trace_layers)
         self.version = -1
         self.released = False
+        # decode path, chosen once (decode_path.py): the static loop is built at the first generate()
+        self.decode_mode = resolve_decode_mode(ro.decode, self.device, unsupported_reason(self.model, cfg))
+        self._static_loop = None
         self._param_shapes: dict[str, torch.Size] = {}
         self.stats = {"generate_calls": 0, "sequences": 0, "generated_tokens": 0, "steps": 0,
                       "forwarded_tokens": 0, "peak_batch": 0, "refused_updates": 0}
@@ -159,6 +164,13 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------------ generate
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         self._check_ready(prompts, sampling)
+        if self.decode_mode != "eager":
+            if self._static_loop is None:
+                self._static_loop = build_graph_loop(self, self.decode_mode)
+            samples = self._static_loop.generate(prompts, sampling)
+            self.stats["generate_calls"] += 1
+            self.stats["sequences"] += len(prompts)
+            return samples
         seqs = [Sequence(i, [int(t) for t in p], sampling, sequence_generator(sampling.seed, sampling.index_offset + i))
                 for i, p in enumerate(prompts)]
         scheduler = ContinuousBatchScheduler(self.cache, self.max_batch_size, self.max_tokens_per_step)
@@ -233,21 +245,23 @@ class EmbeddedEngine:
         runs = [(s.slot, feed, s.num_cached) for s, feed in zip(plan.sequences, plan.feeds)]
         batch = StepBatch.build(runs, self.device)
         with recording_trace(self.model, self.trace_sites) as captured:
-            logits = self.runner.forward(batch).cpu()
+            logits = self.runner.forward(batch)
         routed = self.routing.collect(batch.num_tokens)
         spans = [(seq.index, batch.row_starts[b], batch.row_starts[b] + batch.row_lens[b])
                  for b, seq in enumerate(plan.sequences)]
         records.add_step(routed, captured, spans, batch.num_tokens)
         self.stats["steps"] += 1
         self.stats["forwarded_tokens"] += batch.num_tokens
-        for b, (seq, feed) in enumerate(zip(plan.sequences, plan.feeds)):
+        for seq, feed in zip(plan.sequences, plan.feeds):
             seq.num_cached += len(feed)
-            if plan.samples[b]:
-                token = sample_token(logits[b], seq.params, seq.generator)
-                logprob = (float(policy_logprobs(logits[b], torch.tensor(token)))
-                           if seq.params.return_logprobs else None)
+        rows = [b for b, s in enumerate(plan.samples) if s]
+        if rows:
+            seqs = [plan.sequences[b] for b in rows]
+            tokens, logprobs = sample_step(logits[rows], seqs[0].params, [s.generator.key for s in seqs],
+                                           [len(s.tokens) for s in seqs])
+            for seq, token, logprob in zip(seqs, tokens, logprobs):
                 seq.accept(token, logprob)
-                self.stats["generated_tokens"] += 1
+            self.stats["generated_tokens"] += len(rows)
 
     def _collect(self, seqs: list[Sequence], records: RolloutRecords) -> None:
         """Per-sequence R3 ids and TRACE captures of the whole call: one device->host copy per tensor."""
@@ -270,6 +284,7 @@ class EmbeddedEngine:
         """Colocated mode: drop parameter storage and the KV cache; the packed weights move to host memory."""
         if self.released:
             return
+        self._static_loop = None          # its graphs point at the buffers freed below
         self.cache.release()
         self.store.offload()
         if self.kernels is not None:
@@ -298,6 +313,9 @@ class EmbeddedEngine:
             "memory": "released" if self.released else "resident",
             "weight_store_bytes": self.store.nbytes(), "kv_cache_bytes": self.cache.nbytes(),
             "max_batch_size": self.max_batch_size, "trace_layers": list(self.trace_layers),
-            "fp4_kernels": self.kernels is not None,
+            "fp4_kernels": self.kernels is not None, "decode": self.decode_mode,
+            "graphs_captured": self._static_loop.graphs.captures if self._static_loop is not None else 0,
+            "graph_failure": self._static_loop.graphs.failure if self._static_loop is not None else None,
+            "graph_capture_s": self._static_loop.graphs.capture_s if self._static_loop is not None else 0.0,
             **self.stats,
         }

@@ -211,14 +211,16 @@ class KernelLinears:
             runner.mlp.forward = runner
 
     def prepare(self, store) -> None:
-        """(Re)build every prepared weight from the store's synced payloads: once per weight sync."""
+        """(Re)build every prepared weight from the store's synced payloads: once per weight sync. Weights
+        already prepared are overwritten in place, so CUDA graphs captured over them stay valid."""
         for wname, lin in self.dense.items():
-            lin.kernel_weight = prepare(store.entries[wname].to(lin.weight.device))
+            lin.kernel_weight = _install(lin.kernel_weight, prepare(store.entries[wname].to(lin.weight.device)))
         for name, runner in self.grouped.items():
             n, dev = runner.mlp.num_local_experts, runner.mlp.local_experts[0].linear_fc1.weight.device
             fc1 = [store.entries[f"{name}.local_experts.{j}.linear_fc1.weight"].to(dev) for j in range(n)]
             fc2 = [store.entries[f"{name}.local_experts.{j}.linear_fc2.weight"].to(dev) for j in range(n)]
-            runner.w13, runner.w2 = prepare(fc1[0], fc1), prepare(fc2[0], fc2)
+            runner.w13 = _install(runner.w13, prepare(fc1[0], fc1))
+            runner.w2 = _install(runner.w2, prepare(fc2[0], fc2))
 
     def drop(self) -> None:
         """Free the prepared weights (release_memory); `prepare` rebuilds them."""
@@ -230,6 +232,19 @@ class KernelLinears:
     def nbytes(self) -> int:
         total = sum(lin.kernel_weight.nbytes() for lin in self.dense.values() if lin.kernel_weight is not None)
         return total + sum(r.w13.nbytes() + r.w2.nbytes() for r in self.grouped.values() if r.w13 is not None)
+
+
+def _install(old, new):
+    """`new`'s bytes in `old`'s tensors when the layouts match (stable addresses), else `new`."""
+    same = old is not None and all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                                   for a, b in ((old.qweight, new.qweight), (old.scales, new.scales),
+                                                (old.global_scale, new.global_scale)))
+    if not same:
+        return new
+    old.qweight.copy_(new.qweight)
+    old.scales.copy_(new.scales)
+    old.global_scale.copy_(new.global_scale)
+    return old
 
 
 def first_site_layer(mlp) -> int:

@@ -51,22 +51,25 @@ class KVCache:
     """K and V buffers [slots, max_len, kv_heads, head_dim] per layer, plus slot bookkeeping."""
 
     def __init__(self, num_layers: int, max_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, kv_format: str = "bf16"):
+                 dtype: torch.dtype, device: torch.device | str, kv_format: str = "bf16", scratch: bool = False):
         if kv_format not in KV_FORMATS:
             raise ValueError(f"rollout.kv_cache='{kv_format}' is not supported; use one of {KV_FORMATS}")
         if kv_format == "fp4" and head_dim % NVFP4_BLOCK:
             raise ValueError(f"rollout.kv_cache=fp4 needs head_dim divisible by {NVFP4_BLOCK}, got {head_dim}; "
                              "use kv_cache=fp8 or bf16")
-        self.shape = (max_slots, max_len, num_kv_heads, head_dim)
+        # scratch: one extra slot, never handed out, where static decode steps write the K/V of inactive rows
+        self.scratch_slot = max_slots if scratch else None
+        self.shape = (max_slots + int(scratch), max_len, num_kv_heads, head_dim)
         self.num_layers, self.dtype, self.device, self.kv_format = num_layers, dtype, torch.device(device), kv_format
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self._max_slots = max_slots
         self.free_slots = list(range(max_slots - 1, -1, -1))
         self.allocate()
 
     @property
     def max_slots(self) -> int:
-        return self.shape[0]
+        return self._max_slots
 
     @property
     def max_len(self) -> int:

@@ -8,18 +8,19 @@ from ._common import allow_overrides_after_options, run_command
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-mcore,mcore-to-hf}")
-    a = sub.add_parser("hf-to-mcore", help="Qwen3-MoE HF safetensors directory -> Megatron dist checkpoint",
-                       description="Convert a Qwen3-MoE Hugging Face checkpoint (config.json + *.safetensors) into "
-                                   "a model-only Megatron dist checkpoint that Trainer.load(path, "
+    a = sub.add_parser("hf-to-mcore", help="Qwen3-MoE / Qwen3 HF safetensors directory -> Megatron dist checkpoint",
+                       description="Convert a Qwen3-MoE or dense Qwen3 Hugging Face checkpoint (config.json + "
+                                   "*.safetensors) into a model-only Megatron dist checkpoint that Trainer.load(path, "
                                    "load_optimizer=False) reads under any TP/PP/EP layout.")
     a.add_argument("src", help="HF checkpoint directory")
     a.add_argument("dst", help="output checkpoint directory (must not exist)")
     a.add_argument("--config", help="run config YAML for the non-architecture sections (quant, trainer, ...)")
     a.add_argument("overrides", nargs="*", help="dotted overrides, e.g. quant.targets=all_linears")
     allow_overrides_after_options(a)
-    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint (any layout) -> Qwen3-MoE HF safetensors directory",
+    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint (any layout) -> Qwen3-MoE / Qwen3 HF directory",
                        description="Convert a checkpoint written by Trainer.save or `qrl convert hf-to-mcore` into a "
-                                   "Hugging Face Qwen3MoeForCausalLM directory.")
+                                   "Hugging Face Qwen3MoeForCausalLM (or, for num_experts=0, Qwen3ForCausalLM) "
+                                   "directory.")
     b.add_argument("src", help="checkpoint directory (with manifest.json)")
     b.add_argument("dst", help="output HF directory (must not exist)")
     b.add_argument("--hf-config", help="the source HF directory (or its config.json): config and tokenizer files to "

@@ -41,6 +41,14 @@ ROWS = [
     (["model.typo_field=1"], "model.typo_field", "check the spelling against docs/configuration.md"),
     (["trainer.tensor_parallel"], "trainer.tensor_parallel", "section.field=value"),
     (["lora.dropout=0.1"], "lora.dropout", "set lora.dropout=0"),
+    (["rl.kl_estimator=abs"], "rl.kl_estimator", "choose k1, k2 or k3"),
+    (["rl.kl_coef=-0.1"], "rl.kl_coef", "greater than or equal to 0"),
+    (["rl.loss_agg_mode=sequence-mean"], "rl.loss_agg_mode", "'token-mean', 'seq-mean-token-mean' or"),
+    (["rl.dynamic_sampling.enabled=true", "rollout.group_size=1"], "rl.dynamic_sampling.enabled",
+     "needs rollout.group_size >= 2"),
+    (["rl.overlong_buffer_len=16"], "rl.overlong_buffer_len", "lower it (0 = off)"),
+    (["rl.dynamic_sampling.enabled=true", "rollout.placement=disaggregated"], "rl.dynamic_sampling.enabled",
+     "use rollout.placement=colocated or rollout.engine=sglang"),
 ]
 
 

@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_qrl.rl.rewards.countdown import countdown_reward
 from megatron_qrl.rl.rewards.math_answer import math_reward
+from megatron_qrl.rl.rewards.math_verify_reward import math_verify_reward, require_math_verify
 from megatron_qrl.rl.rewards.user import RewardFunctionError, call_reward_fn, load_reward_fn
 
 # tasks whose answer is one final number
@@ -31,6 +32,10 @@ def _math(response, sample) -> float:
     return 0.0 if answer is None else math_reward(response, answer)
 
 
+def _math_verify(response, sample) -> float:
+    return math_verify_reward(response, _field(sample, "answer"))
+
+
 def _countdown(response, sample) -> float:
     numbers, target = _field(sample, "numbers"), _field(sample, "target")
     if numbers is None or target is None:
@@ -39,7 +44,8 @@ def _countdown(response, sample) -> float:
 
 
 def resolve_reward_fn(reward: str | Callable) -> tuple[Callable, bool]:
-    """(fn(response, sample) -> float, is_user_fn) for a task name, 'module:function' or a callable."""
+    """(fn(response, sample) -> float, time_limited) for a task name, 'module:function' or a callable; user
+    functions and math_verify (symbolic, can be slow) run under the per-sample time limit."""
     if callable(reward):
         return reward, True
     if isinstance(reward, str):
@@ -47,9 +53,13 @@ def resolve_reward_fn(reward: str | Callable) -> tuple[Callable, bool]:
             return _math, False
         if reward == "countdown":
             return _countdown, False
+        if reward == "math_verify":
+            require_math_verify()
+            return _math_verify, True
         if ":" in reward:
             return load_reward_fn(reward), True
     raise RewardFunctionError(f"unknown reward '{reward}': use a task ({', '.join(MATH_TASKS)}, countdown), "
+                              "math_verify, "
                               "'module:function', or a callable")
 
 

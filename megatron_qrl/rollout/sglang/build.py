@@ -13,6 +13,7 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from .colocated import ColocatedBackend
+from .custom_loader import CUSTOM_WEIGHT_LOADERS
 from .disaggregated import ServerBackend
 from .engine import NameMap, SGLangEngine, identity_names
 from .launch_args import engine_server_args, launch_server_argv
@@ -39,13 +40,22 @@ def _check_config(cfg) -> None:
                                 "(e.g. ['http://10.0.0.5:30000']; with launch=True the adapter starts them here)")
 
 
-def _check_served_quantization(servers: list[ServerClient], quant: EngineQuantization) -> None:
-    """External servers: /server_info must report the quantization this config expects."""
+def _check_served_quantization(servers: list[ServerClient], quant: EngineQuantization,
+                               server_args: dict) -> None:
+    """External servers: /server_info must report the quantization this config expects and, for NVFP4, the FP4
+    reload loaders (without them every FP4 update after the first would leave stale or broken layers)."""
     for s in servers:
-        served = s.server_info().get("quantization")
+        info = s.server_info()
+        served = info.get("quantization")
         if served != quant.quantization:
             raise SGLangConfigError(f"server {s.url} runs quantization={served!r}, but rollout.weights/scheme ask for "
                                     f"{quant.quantization!r}; restart it with the launch flags in docs/sglang.md")
+        wanted = server_args.get("custom_weight_loader", [])
+        missing = [x for x in wanted if x not in (info.get("custom_weight_loader") or [])]
+        if missing:
+            raise SGLangConfigError(f"server {s.url} was started without the FP4 reload loaders {missing}: restart it "
+                                    f"with --custom-weight-loader {' '.join(CUSTOM_WEIGHT_LOADERS)} (and megatron-qrl "
+                                    "installed in its environment; docs/sglang.md)")
 
 
 def build_sglang_engine(cfg, *, capability=None, transport: Optional[Transport] = None, launch: bool = False,
@@ -75,7 +85,7 @@ def build_sglang_engine(cfg, *, capability=None, transport: Optional[Transport] 
         servers = [ServerClient(u, transport) for u in ro.sglang_server_urls]
         processes = _launch(servers, server_args, ro, cfg.run.output_dir, base_gpu_id) if launch else []
         if check_servers and not launch:
-            _check_served_quantization(servers, quant)
+            _check_served_quantization(servers, quant, server_args)
         router = ServerClient(ro.sglang_router_url, transport) if ro.sglang_router_url else None
         backend = ServerBackend(servers, router, tp_size=ro.sglang_tp_size,
                                 master_address=ro.sglang_update_group_addr,

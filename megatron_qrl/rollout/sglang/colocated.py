@@ -2,14 +2,16 @@
 
 The Engine is built lazily on first use (importing this module never imports SGLang). Weights go in
 with `update_weights_from_tensor` (CUDA tensors handed over by IPC handles, one call per bucket, the
-KV/radix cache flushed after the last); the trainer's turn frees the engine's memory with
-`release_memory_occupation` (needs ServerArgs.enable_memory_saver, which launch_args sets).
+KV/radix cache flushed after the last; FP4 updates framed by the reload loaders, custom_loader.py); the
+trainer's turn frees the engine's memory with `release_memory_occupation` (needs
+ServerArgs.enable_memory_saver, which launch_args sets).
 """
 from __future__ import annotations
 
 import os
 from typing import Callable, Optional
 
+from .custom_loader import BEGIN_FP4_UPDATE, END_FP4_UPDATE
 from .payloads import engine_environment
 from .wire import WireTensor
 
@@ -64,15 +66,25 @@ class ColocatedBackend:
             return_routed_experts=first["return_routed_experts"])
         return out if isinstance(out, list) else [out]
 
-    def sync(self, buckets: list[list[WireTensor]], version: int) -> None:
+    def sync(self, buckets: list[list[WireTensor]], version: int, reprocess: bool = False) -> None:
+        """reprocess (FP4 payloads): the buckets are framed by the FP4 reload loaders (custom_loader.py), and the
+        cache is flushed after the end call, once the touched layers are re-processed."""
         import torch
 
         device = self.device if self.device is not None else torch.device("cuda", torch.cuda.current_device())
+        if reprocess:
+            self._frame(BEGIN_FP4_UPDATE, flush_cache=False)
         for i, bucket in enumerate(buckets):
             named = [(t.name, t.tensor.to(device)) for t in bucket]
             _ok(self.engine.update_weights_from_tensor(named_tensors=named, load_format=None,
-                                                       flush_cache=i == len(buckets) - 1),
+                                                       flush_cache=not reprocess and i == len(buckets) - 1),
                 "update_weights_from_tensor")
+        if reprocess:
+            self._frame(END_FP4_UPDATE, flush_cache=True)
+
+    def _frame(self, loader: str, flush_cache: bool) -> None:
+        _ok(self.engine.update_weights_from_tensor(named_tensors=[], load_format=loader, flush_cache=flush_cache),
+            f"update_weights_from_tensor({loader})")
 
     def audit(self, version: int) -> dict:
         return {"weight_version_check": "not available in-process (Engine.update_weights_from_tensor has no "

@@ -5,13 +5,15 @@ without one, round-robin to the servers. Weights: the trainer (rank 0) and every
 SGLang's update group once; each bucket is then one `/update_weights_from_distributed` call per server
 (load_format "flattened_bucket") while the trainer broadcasts the bucket's bytes. The last bucket carries
 `weight_version`, which every later generate result reports in meta_info and `/model_info` returns: the
-post-sync audit compares it on every server.
+post-sync audit compares it on every server. FP4 updates are framed by the reload loaders (custom_loader.py): an
+empty `/update_weights_from_tensor` call before the buckets and one after, which carries the version.
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from .custom_loader import BEGIN_FP4_UPDATE, END_FP4_UPDATE, empty_serialized_named_tensors
 from .launcher import EngineStartError, ServerProcess
 from .server_client import DEFAULT_GROUP, ServerClient
 from .update_group import broadcast_bucket, close_update_group, open_update_group
@@ -78,12 +80,17 @@ class ServerBackend:
 
         return torch.device("cuda", torch.cuda.current_device()) if self.group_backend == "nccl" else None
 
-    def sync(self, buckets: list[list[WireTensor]], version: int) -> None:
+    def sync(self, buckets: list[list[WireTensor]], version: int, reprocess: bool = False) -> None:
+        """reprocess (FP4 payloads): the buckets are framed by the FP4 reload loaders (custom_loader.py, empty
+        /update_weights_from_tensor calls); the end call flushes the cache and carries weight_version, so a server
+        reports the version only once its layers are re-processed."""
         if self.pg is None:
             self.connect()
         device = self._broadcast_device()
+        if reprocess:
+            self._frame(BEGIN_FP4_UPDATE, flush_cache=False, weight_version=None)
         for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
+            last = not reprocess and i == len(buckets) - 1
             meta = BucketMeta.of(bucket)
             flat = flatten_bucket(bucket, device)
             futures = [self.pool.submit(s.update_weights_from_distributed, meta.names, meta.dtypes, meta.shapes,
@@ -93,6 +100,15 @@ class ServerBackend:
             broadcast_bucket(flat, self.pg)
             for f in futures:
                 f.result()
+        if reprocess:
+            self._frame(END_FP4_UPDATE, flush_cache=True, weight_version=str(version))
+
+    def _frame(self, loader: str, *, flush_cache: bool, weight_version) -> None:
+        payload = empty_serialized_named_tensors(self.tp_size)
+        futures = [self.pool.submit(s.update_weights_from_tensor, payload, load_format=loader, flush_cache=flush_cache,
+                                    weight_version=weight_version) for s in self.servers]
+        for f in futures:
+            f.result()
 
     def checksums(self) -> dict[str, Optional[str]]:
         return {s.url: s.weights_checksum() for s in self.servers}

@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ..protocol import RolloutSample, SamplingParams, WeightUpdateError
-from ..weights import Payload, digest_problem
+from ..weights import FP4Tensor, Payload, digest_problem
 from .payloads import (RoutingLayout, SGLangResponseError, generate_request, parse_generate_response,
                        request_seed)
 from .release import SGLANG_VERSION
@@ -129,7 +129,8 @@ class SGLangEngine:
         if self.backend.ensure_alive():
             self.stats["engine_restarts"] += 1
         self.weights_consistent = False  # until every bucket is in
-        self.backend.sync(buckets, version)
+        # FP4 layers need the release's post-load processing re-run after loading (custom_loader.py)
+        self.backend.sync(buckets, version, reprocess=any(isinstance(p, FP4Tensor) for p in mapped.values()))
         self.weights_consistent = True
         self.version = version
         self.digests.update(hashes)

@@ -104,6 +104,16 @@ class ServerClient:
             body["weight_version"] = weight_version
         return self._check(self._post("/update_weights_from_distributed", body), "update_weights_from_distributed")
 
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: Optional[str],
+                                   flush_cache: bool, weight_version: Optional[str] = None) -> Any:
+        """Here only the FP4 reload's framing calls (empty tensor lists, custom_loader.py): tensors themselves
+        would travel as CUDA IPC handles, which only work on the server's own host."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                "flush_cache": bool(flush_cache)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._check(self._post("/update_weights_from_tensor", body), "update_weights_from_tensor")
+
     def weights_checksum(self) -> Optional[str]:
         """The release's own hash of every parameter as installed (post-processed layouts), all TP ranks.
 

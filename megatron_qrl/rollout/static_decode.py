@@ -1,0 +1,168 @@
+"""One decode step of the engine's Megatron model with static shapes: the body of the CUDA-graph decode.
+
+`DecodeModel.forward(tokens, positions, slots, active)` runs one new token per row through the same
+weights, norms, router and codec as the eager engine (rollout/model_runner.py), built as plain tensor code
+so that a CUDA graph can capture it: no Megatron token dispatcher, no host synchronisation, no shape that
+depends on data. What it reuses and what it replaces (DESIGN.md "GPU execution"):
+- reused: the model's parameter tensors (no copies; in-place weight updates reach captured graphs), its
+  RMSNorm modules (AQN noise included), Megatron's RoPE function and top-k routing function, the KV cache;
+- replaced: core attention (a decode kernel over the cache, kernels/cache_attention.py, or the eager
+  engine's own `attend` on the reference path), the MoE dispatcher and experts (decode_experts.py).
+The eager engine's Megatron forward stays the reference; tests/test_rollout_static.py checks tokens,
+log-probs, routed experts and TRACE captures against it.
+
+Rows whose `active` is False (finished sequences, bucket padding) still run but write their K/V to the
+cache's scratch slot and never influence active rows (decode_experts.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .attention import StepBatch, attend, softmax_scale_of
+from .kv_cache import KVCache, quantize_dequantize_kv
+
+
+@dataclass
+class StepRecords:
+    """What one decode step records besides logits: R3 ids and the TRACE captures of the cached layers."""
+
+    routed: Optional[torch.Tensor] = None                          # int16 [B, num_moe_layers, k]
+    trace: dict[int, dict[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+
+def unsupported_reason(model, cfg) -> Optional[str]:
+    """Why the static decode step cannot run this engine model (None: it can)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_qrl.models.lora import is_lora_linear
+    from megatron_qrl.models import fp4_linears
+
+    if cfg.lora.enabled or any(is_lora_linear(lin) for lin in fp4_linears(model)):
+        return "LoRA adapters (QeRL mode)"
+    mc = model.config
+    if getattr(mc, "apply_rope_fusion", False):
+        return "fused RoPE"
+    if cfg.quant.targets == "all_linears" and cfg.rollout.weights != "bf16":
+        return "FP4 attention and dense linears (quant.targets=all_linears)"
+    for layer in model.decoder.layers:
+        att = layer.self_attention
+        if att.linear_qkv.bias is not None or att.linear_proj.bias is not None:
+            return "biased attention linears"
+        mlp = layer.mlp
+        if isinstance(mlp, MoELayer):
+            if mlp.shared_experts is not None:
+                return "shared experts"
+            if mlp.router.score_function != "softmax" or mc.moe_router_num_groups:
+                return "router other than top-k softmax"
+            if mc.moe_expert_capacity_factor is not None or mc.moe_router_force_load_balancing:
+                return "expert capacity / forced load balancing"
+    return None
+
+
+class DecodeModel:
+    """Static-shape decode step over a (TP=1, single-stage) GPTModel and the engine's KV cache."""
+
+    def __init__(self, model, cache: KVCache, experts: dict[int, object], *, kernel_attention: bool):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        if cache.scratch_slot is None:
+            raise ValueError("the static decode step needs a KV cache with a scratch slot (KVCache(scratch=True))")
+        self.model, self.cache, self.experts = model, cache, experts
+        self.kernel_attention = kernel_attention
+        mc = model.config
+        self.config = mc
+        self.layers = list(model.decoder.layers)
+        self.final_norm = model.decoder.final_layernorm
+        self.heads = mc.num_attention_heads
+        self.groups = mc.num_query_groups
+        self.head_dim = mc.kv_channels or mc.hidden_size // mc.num_attention_heads
+        self.scales = [softmax_scale_of(layer.self_attention.core_attention, self.head_dim) for layer in self.layers]
+        self.rope = model.rotary_pos_emb(cache.max_len)                    # [max_len, 1, 1, rot_dim] float32
+        self.moe = [isinstance(layer.mlp, MoELayer) for layer in self.layers]
+
+    def output_weight(self) -> torch.Tensor:
+        m = self.model
+        return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor
+                ) -> tuple[torch.Tensor, StepRecords]:
+        """tokens / positions / slots long [B], active bool [B] -> (float32 logits [B, V], records)."""
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        records = StepRecords()
+        routed = []
+        h = F.embedding(tokens, self.model.embedding.word_embeddings.weight)        # [B, hidden]
+        freqs = self.rope[positions]                                                # [B, 1, 1, rot_dim]
+        lens = positions + 1
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attention
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(att, x)
+            q = apply_rotary_pos_emb(q.unsqueeze(1), freqs, config=self.config).squeeze(1)
+            k = apply_rotary_pos_emb(k.unsqueeze(1), freqs, config=self.config).squeeze(1)
+            self._write_cache(i, slots, positions, k, v)
+            o = self._attend(i, q, slots, lens, positions)
+            h = h + F.linear(o, att.linear_proj.weight)
+            x = layer.pre_mlp_layernorm(h)
+            if self.moe[i]:
+                y, ids, cap = self._moe(i, layer.mlp, x, active)
+                routed.append(ids.to(torch.int16))
+                if cap is not None:
+                    records.trace[layer.layer_number - 1] = cap
+            else:
+                y, _ = layer.mlp(x)
+            h = h + y
+        logits = F.linear(self.final_norm(h), self.output_weight()).float()
+        if routed:
+            records.routed = torch.stack(routed, dim=1)
+        return logits, records
+
+    def _qkv(self, att, x: torch.Tensor):
+        """Megatron's fused QKV layout: per query group [heads/groups queries, one key, one value]."""
+        B, hpg, D = x.shape[0], self.heads // self.groups, self.head_dim
+        mixed = F.linear(x, att.linear_qkv.weight).view(B, self.groups, (hpg + 2) * D)
+        q = mixed[..., :hpg * D].reshape(B, self.heads, D)
+        k = mixed[..., hpg * D:(hpg + 1) * D]
+        v = mixed[..., (hpg + 1) * D:]
+        if att.q_layernorm is not None:
+            q = att.q_layernorm(q)
+        if att.k_layernorm is not None:
+            k = att.k_layernorm(k)
+        return q, k, v
+
+    def _write_cache(self, layer: int, slots, positions, k, v) -> None:
+        c = self.cache
+        c.keys[layer][slots, positions] = quantize_dequantize_kv(k, c.kv_format).to(c.dtype)
+        c.values[layer][slots, positions] = quantize_dequantize_kv(v, c.kv_format).to(c.dtype)
+
+    def _attend(self, layer: int, q, slots, lens, positions) -> torch.Tensor:
+        B = q.shape[0]
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        if self.kernel_attention:
+            from megatron_qrl.kernels.cache_attention import cache_decode_attention
+
+            return cache_decode_attention(q, keys, values, slots, lens, self.scales[layer]).reshape(B, -1)
+        # reference: the eager engine's attention over the rows' cached prefixes
+        ar = torch.arange(B, device=q.device)
+        batch = StepBatch(token_ids=ar, positions=positions, token_row=ar, token_col=torch.zeros_like(ar),
+                          slots=slots, kv_lens=lens, last_index=ar, row_starts=list(range(B)), row_lens=[1] * B)
+        length = int(lens.max())
+        return attend(q, keys[slots, :length], values[slots, :length], batch, self.scales[layer])
+
+    def _moe(self, i: int, mlp, x: torch.Tensor, active: torch.Tensor):
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        r, mc = mlp.router, self.config
+        logits = r.gating(x)
+        probs, ids = topk_routing_with_score_function(
+            logits, r.topk, use_pre_softmax=mc.moe_router_pre_softmax, num_groups=mc.moe_router_num_groups,
+            group_topk=mc.moe_router_group_topk, scaling_factor=mc.moe_router_topk_scaling_factor,
+            score_function=r.score_function, expert_bias=r.expert_bias, fused=mc.moe_router_fusion,
+            dense_output=True)
+        y, cap = self.experts[i](x, ids, probs, active)
+        return y, ids, cap
