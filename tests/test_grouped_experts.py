@@ -113,3 +113,15 @@ def test_device_guide_tables_hold_every_entry_in_key_order():
         assert torch.equal(t.keys, want) and bool((t.keys[1:] > t.keys[:-1]).all())      # searchsorted needs order
         assert torch.equal(t.bits[:-1], torch.cat([cache.entry(k).bits for k in keys]))  # + the zero "missing" row
         assert t.bits.shape[0] == t.missing_row + 1 and not t.bits[-1].any()
+
+
+def test_grouped_linear_without_rows_gives_every_expert_a_zero_gradient():
+    import torch
+
+    from megatron_qrl.models.grouped_experts import GroupLayout, grouped_linear
+
+    w = torch.randn(3, 8, 16, requires_grad=True)
+    x = torch.zeros(0, 16, requires_grad=True)
+    y = grouped_linear(x, w, GroupLayout.build(torch.zeros(3, dtype=torch.int64), 0, 3, x.device))
+    y.sum().backward()
+    assert y.shape == (0, 8) and w.grad is not None and not w.grad.any()

@@ -112,9 +112,10 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype, k: int, n: in
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, layout: GroupLayout, force_loop: bool = False) -> torch.Tensor:
     """y[rows of expert e] = x[rows of e] @ w[e]^T for w [E, N, K]: one grouped GEMM (autograd: one for
-    grad_x, one for grad_w), or a per-expert loop where the grouped kernel is not available."""
+    grad_x, one for grad_w), or a per-expert loop where the grouped kernel is not available (and for no rows
+    at all, where the loop gives every expert the zero gradient the per-expert path gives it)."""
     E, N, K = w.shape
-    if not force_loop and grouped_mm_available(x.device, x.dtype, K, N):
+    if not force_loop and x.shape[0] > 0 and grouped_mm_available(x.device, x.dtype, K, N):
         y = torch._grouped_mm(layout.pad(x), w.transpose(-2, -1), offs=layout.offs)
         if y.requires_grad:   # the grouped backward needs real strides (an expanded gradient, e.g. of a sum, has 0)
             y.register_hook(lambda g: g.contiguous())
