@@ -212,7 +212,11 @@ class QATGroupedMLP(QATSequentialMLP):
     def _quant_input(self, role: str, x: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
         lin = self._linears(role)[0]
         q = lin.quant
-        if not (q.enabled and q.activations) or x.shape[0] == 0:
+        if not (q.enabled and q.activations):
+            return x
+        if x.shape[0] == 0:   # nothing to quantize here, but TP peers may have rows: take part in their all-reduce
+            if self._needs_amax_reduction():
+                self._input_amax(x, layout, lin, expert_tp=False)
             return x
         site = lin.site
         provider = site.guide_provider
