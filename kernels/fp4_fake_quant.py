@@ -95,10 +95,12 @@ def _fp4_fake_quant_kernel(x_ptr, out_ptr, gs_ptr, gs_out_ptr, scales_ptr, bits_
                            HAS_MASK: tl.constexpr, DIV: tl.constexpr, ROUND: tl.constexpr,
                            CHECK: tl.constexpr, COUNT: tl.constexpr, NATIVE_CAST: tl.constexpr,
                            RB: tl.constexpr, PER_ROW: tl.constexpr, GS_AMAX: tl.constexpr,
-                           CAPTURE: tl.constexpr = False):
+                           CAPTURE: tl.constexpr = False, MISMATCH: tl.constexpr = False):
     """FMT 0 = NVFP4, 1 = MXFP4; MODE: 0 nearest, 1 nearest with given scales, 2 guided.
     CAPTURE (MODE 0): also the quantize kernel's outputs -- packed codes, block-scale bytes and the TRACE
-    mantissa bits -- from the same pass, so the engine's capture costs no extra launch."""
+    mantissa bits -- from the same pass, so the engine's capture costs no extra launch.
+    MISMATCH (MODE 2, with COUNT): count_ptr[1] also counts the elements whose chosen code's mantissa bit
+    differs from the guide's bit (TRACE's code mismatch after guidance, trace/metrics.py)."""
     G: tl.constexpr = 16 if FMT == 0 else 32
     blk0 = tl.program_id(0).to(tl.int64) * BB
     rows = tl.arange(0, BB)
@@ -164,6 +166,11 @@ def _fp4_fake_quant_kernel(x_ptr, out_ptr, gs_ptr, gs_out_ptr, scales_ptr, bits_
             if HAS_MASK:
                 fb = fb & mask[None, :, None]
             tl.atomic_add(count_ptr, tl.sum(tl.sum(tl.sum(fb.to(tl.int32), axis=2), axis=1), axis=0))
+            if MISMATCH:
+                mm = (mag & 1) != bit
+                if HAS_MASK:
+                    mm = mm & mask[None, :, None]
+                tl.atomic_add(count_ptr + 1, tl.sum(tl.sum(tl.sum(mm.to(tl.int32), axis=2), axis=1), axis=0))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,7 +183,7 @@ def _threshold(fallback_shift: float) -> float:
 
 
 def _launch(x, fmt, mode, gs, scales_u8, bits, fallback_shift, count, BB, num_warps, div, round_impl, check,
-            rows_first, amax=None, capture=None):
+            rows_first, amax=None, capture=None, mismatch=False):
     """The fake-quant kernel; NVFP4 with gs=None takes `amax` (fp4_quant.amax_bits) and computes the global
     scale in the kernel. capture: (packed, scales, bits) uint8 outputs to fill as well (MODE_NEAREST)."""
     G = NVFP4_BLOCK if fmt == 0 else MXFP4_BLOCK
@@ -197,7 +204,7 @@ def _launch(x, fmt, mode, gs, scales_u8, bits, fallback_shift, count, BB, num_wa
         FMT=fmt, MODE=mode, BB=BB, C=16 // x.element_size(), HAS_MASK=(n_blocks % BB != 0), DIV=div,
         ROUND=round_impl, CHECK=check, COUNT=count is not None, NATIVE_CAST=x.is_cuda,
         RB=ROWS_FIRST if rows_first is None else rows_first, PER_ROW=gs is not None and gs.dim() > 0,
-        GS_AMAX=gs_amax, CAPTURE=capture is not None,
+        GS_AMAX=gs_amax, CAPTURE=capture is not None, MISMATCH=mismatch,
         num_warps=num_warps)
     return out
 
@@ -226,7 +233,8 @@ def nvfp4_fake_quant_triton(x: torch.Tensor, guide: Optional[GuidedRounding] = N
                             scales: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
                             return_fallback: bool = False, check_finite: bool = True,
                             block_blocks: Optional[int] = None, num_warps: Optional[int] = None,
-                            div: int = 1, round_impl: int = 2, rows_first: Optional[bool] = None):
+                            div: int = 1, round_impl: int = 2, rows_first: Optional[bool] = None,
+                            return_mismatch: bool = False):
     """dequant(quant(x)) for NVFP4 in x's dtype, bit-identical to `quant_dequant(x, "nvfp4", ...)`.
 
     guide (GuidedRounding: bits, scales, global_scale) selects TRACE replay with the rollout's scales
@@ -234,7 +242,9 @@ def nvfp4_fake_quant_triton(x: torch.Tensor, guide: Optional[GuidedRounding] = N
     otherwise nearest rounding with `scales` (+ `global_scale`) if given, else scales computed in-kernel
     (global_scale=None: amax/(6*448) by torch). The guided fallback count (elements that fell back to
     nearest) is added to stats["guided_fallback"] (one host sync) and/or returned as an int32 device tensor
-    with return_fallback=True: then the result is (out, count).
+    with return_fallback=True: then the result is (out, count). return_mismatch=True (guided only) returns
+    (out, fallback count, mismatch count): the second int32 device tensor counts the elements whose chosen
+    code's mantissa bit differs from guide.bits (no host sync; stats is then left alone).
     """
     where = "nvfp4_fake_quant_triton"
     check_input_fast(x, NVFP4_BLOCK, where)
@@ -250,8 +260,12 @@ def nvfp4_fake_quant_triton(x: torch.Tensor, guide: Optional[GuidedRounding] = N
         scales_u8 = _as_blocks(guide.scales).view(torch.uint8)
         bits = _as_blocks(guide.bits)
         mode = MODE_GUIDED
-        if stats is not None or return_fallback:
+        if return_mismatch:
+            count = torch.zeros(2, dtype=torch.int32, device=x.device)
+        elif stats is not None or return_fallback:
             count = torch.zeros((), dtype=torch.int32, device=x.device)
+    elif return_mismatch:
+        raise ValueError(f"{where}: return_mismatch counts against a TRACE guide; pass guide=")
     elif scales is not None:
         if global_scale is None:
             raise ValueError(f"{where}: scales= needs its global_scale")
@@ -269,9 +283,11 @@ def nvfp4_fake_quant_triton(x: torch.Tensor, guide: Optional[GuidedRounding] = N
     amax = amax_bits(xc) if (gs is None or check_finite) else None
     cfg = DEFAULT_CONFIG["nvfp4"]
     out = _launch(xc, 0, mode, gs, scales_u8, bits, fallback_shift, count, block_blocks or cfg["BB"],
-                  num_warps or cfg["num_warps"], div, round_impl, True, rows_first, amax)
+                  num_warps or cfg["num_warps"], div, round_impl, True, rows_first, amax, mismatch=return_mismatch)
     if check_finite:
         _check_amax_bits(amax, where)
+    if return_mismatch:
+        return out.view(x.shape), count[0], count[1]
     return _finish(out.view(x.shape), count, x, stats, return_fallback)
 
 

@@ -80,6 +80,8 @@ class TrainerConfig(_Section):
     expert_tensor_parallel: int = Field(1, ge=1)
     sequence_parallel: Optional[bool] = Field(None, description="default: on when TP>1 with MoE")
     micro_batch_size: int = Field(4, ge=1)
+    moe_experts: Literal["grouped", "sequential"] = Field(
+        "grouped", description="routed experts: grouped GEMMs with fused FP4 QAT, or one expert after another")
     lr: float = Field(1e-4, gt=0)
     min_lr: float = Field(0.0, ge=0)
     lr_warmup_steps: int = Field(0, ge=0)

@@ -14,18 +14,25 @@ from megatron_qrl.rollout.weights import WeightStore
 
 
 # ------------------------------------------------------------------------------------------ digests
-def test_tensor_digest_covers_bytes_dtype_and_shape():
+@pytest.mark.parametrize("algorithm", ["qh128", "sha256"])
+def test_tensor_digest_covers_bytes_dtype_and_shape(algorithm):
     t = torch.arange(12, dtype=torch.float32)
-    d = tensor_digest(t)
-    assert d.startswith("sha256:") and d == tensor_digest(t.clone())
-    assert d == tensor_digest(t.reshape(12)[::1].contiguous())
-    assert d != tensor_digest(t.reshape(3, 4))                  # shape is part of the digest
-    assert d != tensor_digest(t.to(torch.float64))              # dtype too
+    d = tensor_digest(t, algorithm)
+    assert d.startswith(f"{algorithm}:") and d == tensor_digest(t.clone(), algorithm)
+    assert d == tensor_digest(t.reshape(12)[::1].contiguous(), algorithm)
+    assert d != tensor_digest(t.reshape(3, 4), algorithm)                  # shape is part of the digest
+    assert d != tensor_digest(t.to(torch.float64), algorithm)              # dtype too
     u = t.clone()
     u[5] = u[5] + 1e-6
-    assert d != tensor_digest(u)                                # one changed bit changes it
-    assert tensor_digest(t.t() if t.dim() == 2 else t) == d     # layout/strides do not matter
-    assert tensor_digest(torch.tensor(3.0)).startswith("sha256:")  # 0-dim works
+    assert d != tensor_digest(u, algorithm)                                # one changed bit changes it
+    m = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tensor_digest(m.t().contiguous().t(), algorithm) == tensor_digest(m, algorithm)  # strides do not matter
+    assert tensor_digest(torch.tensor(3.0), algorithm).startswith(f"{algorithm}:")  # 0-dim works
+
+
+def test_sync_digest_default_is_the_device_hash():
+    # weight syncs hash on the payload's device (quant/digest.py); SHA-256 stays available for files
+    assert tensor_digest(torch.arange(4.0)).startswith("qh128:")
 
 
 def test_xxh3_digest_when_available():

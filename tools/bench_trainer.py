@@ -12,6 +12,14 @@ Modes (same config, same random batch, same seed, so the same initial weights):
     on-nosync  (diagnostic, opt-in) `on` with the codec's input check minus its finiteness test, which
          reads bool(isfinite(x).all()) back from the GPU, i.e. one host-device synchronisation per quantized
          tensor per forward; the difference on-nosync vs on is what that sync costs
+    suffixes (opt-in, combinable): -seq  the per-expert reference experts (trainer.moe_experts=sequential, the
+         path before the grouped experts), e.g. on-seq / off-seq; -mbN  trainer.micro_batch_size=N, e.g. off-seq-mb4
+Extras of every grouped `on` mode (--extras, default trace,sync): `trace` -- a log-prob pass with TRACE guides
+(a cache of the trainer's own forward on the cached layers, device guides indexed in the timed pass) against
+the same pass without, both with R3 replay of random expert ids; `sync` -- the weight-sync payload (pack +
+digest on the device, the QAT quantizer's expert bytes reused) after an optimizer step, the engine's digest
+re-check, and the previous path (pack_weight per tensor + SHA-256 over host bytes). tools/trainer_costs.py
+also gives the FLOP count behind the MFU column (see its docstring).
 Both modes run IN ONE PROCESS, one after the other: `Trainer(cfg)` calls `init_distributed`, which keeps
 torch.distributed and re-creates Megatron's model-parallel groups (`platform.set_layout`), so the first
 trainer is dropped (gc + CUDA cache emptied, checked with a weak reference) and the second one is built in
@@ -32,7 +40,8 @@ trainer was built; CPU -> the process's current RSS after the timed steps and it
 Defaults: B = min(64, rollout.prompts_per_step * rollout.group_size), T = min(512,
 model.max_sequence_length), on CPU trainer.bf16/use_distributed_optimizer are turned off (Megatron's
 mixed-precision optimizers need CUDA). --time-budget caps the number of timed steps (never below 2) so
-the whole benchmark fits. Prints a markdown table and the ratio QAT-on / QAT-off (target <= 1.25);
+the whole benchmark fits. Prints a markdown table and the ratios measured in the run: QAT-on / QAT-off
+(target <= 1.25), grouped vs per-expert, log-probs with TRACE / without (target <= 1.3), sync vs 0.15 s;
 writes JSON to --out (after each mode, so a killed run keeps what finished). Runs under torchrun too
 (every rank builds the same batch; rank 0 prints and writes).
 """
@@ -51,11 +60,39 @@ import time
 import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trainer_costs import flops_per_token, peak_tflops, random_r3_ids, sync_cost, trace_logprobs  # noqa: E402
+
 TARGET_RATIO = 1.25
 MODES = {"on": "quant.qat=true", "off": "quant.qat=false",
          # diagnostic (opt-in): QAT on without the codec's per-call finiteness check, which reads a flag back
          # from the GPU (bool(torch.isfinite(x).all())) and so synchronises host and device on every quantize
          "on-nosync": "quant.qat=true"}
+TARGET_TRACE_RATIO = 1.3
+TARGET_TOKENS_PER_S = 45_000     # 10x the 4,571 of the per-expert trainer on single_h200 (docs/PERF.md)
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """Config overrides of a mode name: base (off / on / on-nosync) plus optional -seq and -mbN suffixes."""
+    parts = mode.split("-")
+    base, rest = parts[0], parts[1:]
+    if base == "on" and rest[:1] == ["nosync"]:
+        base, rest = "on-nosync", rest[1:]
+    if base not in MODES:
+        raise ValueError(f"unknown mode '{mode}': use off / on / on-nosync with optional -seq and -mbN suffixes")
+    out = [MODES[base]]
+    for r in rest:
+        if r == "seq":
+            out.append("trainer.moe_experts=sequential")
+        elif r.startswith("mb") and r[2:].isdigit():
+            out.append(f"trainer.micro_batch_size={int(r[2:])}")
+        else:
+            raise ValueError(f"unknown mode suffix '-{r}' in '{mode}': use -seq or -mbN")
+    return out
+
+
+def mode_base(mode: str) -> str:
+    return "on-nosync" if mode.startswith("on-nosync") else mode.split("-")[0]
 
 
 def _parse(argv):
@@ -72,8 +109,13 @@ def _parse(argv):
                    help="seconds for the whole benchmark; fewer timed steps (>= 2) when the warm-up says they "
                         "won't fit (0 = no cap)")
     p.add_argument("--modes", default="off,on",
-                   help="comma list of off/on/on-nosync, run in this order (default off first: the cheap baseline is kept "
-                        "even if the QAT mode runs out of time)")
+                   help="comma list of off/on/on-nosync (+ -seq, -mbN suffixes), run in this order (default off first: "
+                        "the cheap baseline is kept even if the QAT mode runs out of time)")
+    p.add_argument("--extras", default="trace,sync",
+                   help="measurements added to grouped QAT-on modes: trace (log-probs with/without TRACE), sync "
+                        "(weight-sync pack + digest); '' for none")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak bf16 TFLOP/s for MFU (default: 989 on an H100/H200, none elsewhere)")
     p.add_argument("--isolate", action="store_true", help="one subprocess per mode instead of one process")
     p.add_argument("--smoke", action="store_true",
                    help="correctness smoke of the trainer (logprobs == loss, loss falls, finite grads); no timing")
@@ -219,8 +261,8 @@ def run_mode(a, mode: str, B: int, T: int, budget_s: float) -> dict:
     import torch
 
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg, forced = load_cfg(a, [MODES[mode]], dev_type)
-    with _codec_checks(enabled=mode != "on-nosync"):
+    cfg, forced = load_cfg(a, mode_overrides(mode), dev_type)
+    with _codec_checks(enabled=mode_base(mode) != "on-nosync"):
         return _run_mode(a, mode, cfg, forced, dev_type, B, T, budget_s)
 
 
@@ -336,6 +378,9 @@ def _run_mode(a, mode, cfg, forced, dev_type, B, T, budget_s) -> dict:
     else:
         logprobs_s = first_logprobs_s
 
+    extras = {}
+    if mode_base(mode) == "on" and cfg.trainer.moe_experts == "grouped":
+        extras = _extras(a, trainer, cfg, batch, B, T, mode)
     med = statistics.median(times)
     loss_tokens = float(batch["loss_mask"].sum())
     res = {
@@ -348,7 +393,13 @@ def _run_mode(a, mode, cfg, forced, dev_type, B, T, budget_s) -> dict:
         "step_s_median": med, "step_s_min": min(times), "step_s_all": times,
         "cpu_s_median": statistics.median(cpu), "tokens_per_s": B * T / med, "loss_tokens_per_s": loss_tokens / med,
         "logprobs_s": logprobs_s, "logprobs_warm": logprobs_warm, "losses": [s["loss"] for s in stats], "grad_norms": [s["grad_norm"] for s in stats],
+        "moe_experts": cfg.trainer.moe_experts, **extras,
     }
+    flops = flops_per_token(cfg, T)
+    peak = peak_tflops(torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, a.peak_tflops)
+    res.update(flops_per_token=flops, peak_tflops=peak,
+               mfu=(B * T / med) * flops["train"] / (peak * 1e12) if peak else None,
+               logprobs_mfu=(B * T / logprobs_s) * flops["forward"] / (peak * 1e12) if peak else None)
     if dev.type == "cuda":
         res.update(memory_kind="cuda_allocated", peak_mem_gib=_gib(peak), static_mem_gib=_gib(static),
                    peak_reserved_gib=_gib(torch.cuda.max_memory_reserved(dev)),
@@ -369,6 +420,37 @@ def _run_mode(a, mode, cfg, forced, dev_type, B, T, budget_s) -> dict:
     res["freed"] = ref() is None
     res["mode_wall_s"] = time.perf_counter() - t_mode
     return res
+
+
+def _extras(a, trainer, cfg, batch, B, T, mode) -> dict:
+    """The --extras measurements of a grouped QAT-on mode; a failure is recorded, the mode's numbers kept."""
+    import traceback
+
+    wanted = {x.strip() for x in a.extras.split(",") if x.strip()}
+    out = {}
+    if "trace" in wanted:
+        try:
+            if not (cfg.quant.format == "nvfp4" and cfg.quant.scheme == "w4a4" and cfg.model.num_experts):
+                raise ValueError("TRACE needs NVFP4 W4A4 QAT on an MoE model")
+            rb = {**batch, "r3_expert_ids": random_r3_ids(cfg, B, T, a.seed)}
+            out["trace"] = trace_logprobs(trainer, cfg, rb)
+            t = out["trace"]
+            _log(f"[{mode}] log-probs {t['logprobs_s']:.4f}s, with TRACE {t['logprobs_trace_s']:.4f}s "
+                 f"({t['ratio']:.3f}x; code mismatch {t['code_mismatch_before']} -> {t['code_mismatch_after']}, "
+                 f"fallback {t['guided_fallback']:.2e})")
+        except Exception as e:  # noqa: BLE001 -- keep the mode's other numbers
+            out["trace"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            _log(f"[{mode}] trace extra failed: {out['trace']['error']}")
+    if "sync" in wanted:
+        try:
+            out["sync"] = sync_cost(trainer, cfg)
+            sc = out["sync"]
+            _log(f"[{mode}] sync payload {sc['payload_mb']:.1f} MB: pack+digest {sc['pack_digest_s']:.4f}s "
+                 f"(verify {sc['verify_s']:.4f}s), previous path {sc['old_total_s']:.4f}s ({sc['speedup']:.1f}x)")
+        except Exception as e:  # noqa: BLE001
+            out["sync"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            _log(f"[{mode}] sync extra failed: {out['sync']['error']}")
+    return out
 
 
 def drop_graph_refs(trainer) -> int:
@@ -417,15 +499,19 @@ def table(res: dict) -> str:
     modes = res["modes"]
     cuda = any(m.get("memory_kind") == "cuda_allocated" for m in modes.values())
     mem_hdr = "peak mem GiB | static mem GiB" if cuda else "RSS after steps GiB | peak RSS (process) GiB"
-    lines = [f"| mode | QAT | step s (median) | min | CPU s | tokens/s | logprobs s | {mem_hdr} | steps | build s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| mode | QAT | experts | mb | step s (median) | min | CPU s | tokens/s | MFU | logprobs s | {mem_hdr} "
+             "| steps | build s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in modes.items():
         q = m["quant"]
         qs = f"{q['format']} {q['targets']} {q['scheme']}" if q["qat"] else "off"
         mem = (f"{m['peak_mem_gib']:.2f} | {m['static_mem_gib']:.2f}" if m.get("memory_kind") == "cuda_allocated"
                else f"{m['rss_after_steps_gib']:.2f} | {m['peak_rss_process_gib']:.2f}")
-        lines.append(f"| {name} | {qs} | {m['step_s_median']:.4f} | {m['step_s_min']:.4f} | {m['cpu_s_median']:.4f} | "
-                     f"{m['tokens_per_s']:,.0f} | {m['logprobs_s']:.4f} | {mem} | {m['steps']} | {m['build_s']:.1f} |")
+        mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") else "-"
+        lines.append(f"| {name} | {qs} | {m.get('moe_experts', '-')} | {m.get('micro_batch_size', '-')} | "
+                     f"{m['step_s_median']:.4f} | {m['step_s_min']:.4f} | {m['cpu_s_median']:.4f} | "
+                     f"{m['tokens_per_s']:,.0f} | {mfu} | {m['logprobs_s']:.4f} | {mem} | {m['steps']} | "
+                     f"{m['build_s']:.1f} |")
     r = res.get("ratio")
     if r:
         lines.append("")
@@ -434,6 +520,38 @@ def table(res: dict) -> str:
                      + (f"; peak memory {r['peak_mem']:.3f}x" if r.get("peak_mem") else "")
                      + (f"; without the codec's finiteness sync {r['step_time_nosync']:.3f}x"
                         if r.get("step_time_nosync") else ""))
+    for key, text in (("grouped_vs_seq_off", "QAT off: grouped experts vs per-expert step time"),
+                      ("grouped_vs_seq_on", "QAT on: grouped experts vs per-expert step time"),
+                      ("seq_step_time", "per-expert experts: QAT on / off step time")):
+        if r and r.get(key):
+            lines.append(f"{text}: {r[key]:.3f}x")
+    if r and r.get("tokens_per_s_off"):
+        lines.append(f"QAT-off tokens/s {r['tokens_per_s_off']:,.0f} (target >= {TARGET_TOKENS_PER_S:,}: "
+                     f"{'PASS' if r['tokens_per_s_off'] >= TARGET_TOKENS_PER_S else 'FAIL'}; "
+                     f"{r['tokens_per_s_off'] / 4571:.1f}x the per-expert trainer's 4,571 of docs/PERF.md)")
+    for name, m in modes.items():
+        t, sc = m.get("trace"), m.get("sync")
+        if t and "ratio" in t:
+            lines.append(f"[{name}] log-probs with TRACE / without: {t['ratio']:.3f}x ({t['logprobs_trace_s']:.4f}s "
+                         f"vs {t['logprobs_s']:.4f}s, cached layers {t['cached_layers']}); target <= "
+                         f"{TARGET_TRACE_RATIO}: {'PASS' if t['ratio'] <= TARGET_TRACE_RATIO else 'FAIL'}; code "
+                         f"mismatch {t['code_mismatch_before']} -> {t['code_mismatch_after']}, fallback "
+                         f"{t['guided_fallback']:.2e}")
+        elif t:
+            lines.append(f"[{name}] TRACE extra failed: {t.get('error')}")
+        if sc and "pack_digest_s" in sc:
+            lines.append(f"[{name}] weight sync {sc['payload_mb']:.1f} MB: pack+digest {sc['pack_digest_s']:.4f}s "
+                         f"(target <= {sc['target_s']}: {'PASS' if sc['meets_target'] else 'FAIL'}), engine re-check "
+                         f"{sc['verify_s']:.4f}s; previous path {sc['old_total_s']:.4f}s (pack "
+                         f"{sc['old_pack_s']:.4f}s + sha256 {sc['old_sha256_s']:.4f}s): {sc['speedup']:.1f}x")
+        elif sc:
+            lines.append(f"[{name}] sync extra failed: {sc.get('error')}")
+    mm = next(iter(modes.values()), None)
+    if mm and mm.get("flops_per_token"):
+        f = mm["flops_per_token"]
+        lines.append(f"MFU: train FLOPs/token {f['train'] / 1e9:.3f} G (3 x forward {f['forward'] / 1e9:.3f} G: "
+                     f"2 x {f['active_matmul_params'] / 1e6:.1f}M active matmul params + causal attention) / peak "
+                     f"{mm.get('peak_tflops')} TFLOP/s bf16")
     return "\n".join(lines)
 
 
@@ -450,6 +568,14 @@ def add_ratio(res: dict) -> None:
         r["meets_target"] = r["step_time"] <= TARGET_RATIO
         if "on-nosync" in m:
             r["step_time_nosync"] = m["on-nosync"]["step_s_median"] / off["step_s_median"]
+        r["tokens_per_s_off"] = off["tokens_per_s"]
+        res["ratio"] = r
+    r = res.get("ratio", {})
+    for a, b, key in (("off-seq", "off", "grouped_vs_seq_off"), ("on-seq", "on", "grouped_vs_seq_on"),
+                      ("on-seq", "off-seq", "seq_step_time")):
+        if a in m and b in m:   # grouped_vs_seq_*: how many times faster the grouped step is
+            r[key] = m[a]["step_s_median"] / m[b]["step_s_median"]
+    if r:
         res["ratio"] = r
 
 
@@ -468,9 +594,14 @@ def bench(a) -> dict:
     from megatron_qrl.platform import teardown
 
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = []
+    for m in modes:
+        try:
+            mode_overrides(m)
+        except ValueError:
+            bad.append(m)
     if bad or not modes:
-        raise SystemExit(f"--modes: unknown {bad}; use {', '.join(MODES)}")
+        raise SystemExit(f"--modes: unknown {bad}; use {', '.join(MODES)} with optional -seq / -mbN suffixes")
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, forced = load_cfg(a, [], dev_type)
     B, T = _shape(a, cfg)
@@ -488,16 +619,28 @@ def bench(a) -> dict:
     for i, mode in enumerate(modes):
         left = a.time_budget - (time.perf_counter() - t_start) if a.time_budget > 0 else 0.0
         share = max(left / (len(modes) - i), 1e-6) if a.time_budget > 0 else 0.0  # spent budget: minimum steps
-        if mode == "on-nosync" and a.time_budget > 0 and "on" in res["modes"] \
+        if mode_base(mode) == "on-nosync" and a.time_budget > 0 and "on" in res["modes"] \
                 and res["modes"]["on"]["mode_wall_s"] > left:
             _log(f"[{mode}] skipped: {left:.0f}s of the time budget left, the 'on' mode took "
                  f"{res['modes']['on']['mode_wall_s']:.0f}s")
             res.setdefault("skipped", []).append(mode)
             continue
-        if a.isolate:
-            res["modes"][mode] = _run_child(a, mode, B, T, share)
-        else:
-            res["modes"][mode] = run_mode(a, mode, B, T, share)
+        try:
+            if a.isolate:
+                res["modes"][mode] = _run_child(a, mode, B, T, share)
+            else:
+                res["modes"][mode] = run_mode(a, mode, B, T, share)
+        except Exception as e:  # noqa: BLE001 -- record it and run the other modes (their numbers count)
+            import traceback
+
+            res.setdefault("failed", {})[mode] = {"error": f"{type(e).__name__}: {e}",
+                                                  "traceback": traceback.format_exc()[-4000:]}
+            _log(f"[{mode}] FAILED: {type(e).__name__}: {e}")
+            _write(out, res)
+            gc.collect()
+            if dev_type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         mm = res["modes"][mode]
         _log(f"[{mode}] median step {mm['step_s_median']:.4f}s over {mm['steps']} steps, "
              f"{mm['tokens_per_s']:,.0f} tokens/s, freed={mm['freed']}")
@@ -511,6 +654,8 @@ def bench(a) -> dict:
     _log("\n" + table(res))
     if out:
         _log(f"wrote {out}")
+    if res.get("failed"):
+        _log(f"modes that failed: {', '.join(res['failed'])} (errors in the JSON)")
     return res
 
 
@@ -588,8 +733,8 @@ def main(argv=None) -> int:
         raise SystemExit("--isolate launches its own processes; do not combine it with torchrun")
     if a.smoke:
         return 0 if smoke(a)["ok"] else 1
-    bench(a)
-    return 0
+    res = bench(a)
+    return 1 if res.get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ _EXPORTS = {
     "QuantSettings": "fp4_linear", "QuantSite": "fp4_linear", "capture_activations": "fp4_linear",
     "fp4_linears": "fp4_linear", "guided_fallback_stats": "fp4_linear", "quantize_dequantize": "fp4_linear",
     "set_guide_provider": "fp4_linear", "site_name": "fp4_linear", "weights_changed": "fp4_linear",
-    "QATSequentialMLP": "experts",
+    "QATSequentialMLP": "experts", "QATGroupedMLP": "grouped_experts", "grouped_expert_modules": "grouped_experts",
     "build_model": "provider", "sequence_parallel_enabled": "provider", "transformer_config": "provider",
     "R3TopKRouter": "r3_router", "clear_replay": "r3_router", "pop_router_agreement": "r3_router",
     "r3_routers": "r3_router",

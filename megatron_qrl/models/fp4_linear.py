@@ -131,6 +131,12 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
     bytes are exactly those the engine and the exporter compute.
     """
     with torch.no_grad():
+        if getattr(guide, "device_rows", False) and not capture:
+            # TRACE rows gathered on the device (trace/device_guides.py): replayed without a host sync; rows
+            # the cache lacks round to nearest with this tensor's own (local) global scale
+            from megatron_qrl.trace.replay import replay_rows
+
+            return replay_rows(x, guide, nvfp4_global_scale(x), fallback_shift, stats), None
         if fmt == "nvfp4" and not capture and _triton_ok(x):
             # GPU: one fused Triton kernel, byte-identical to the torch codec (tests/test_kernels_codec.py),
             # instead of ~75 small kernels and a host sync per call
@@ -308,10 +314,13 @@ def capture_activations(model, sites: Optional[set] = None):
 
 
 def guided_fallback_stats(model) -> dict:
-    """Sum of TRACE fallback counters over all sites (then reset): {'guided_fallback', 'guided_elements'}."""
+    """Sum of TRACE fallback counters over all sites (then reset): {'guided_fallback', 'guided_elements'}.
+
+    Counters may be device tensors (device-side replay and grouped experts, whose grouped calls count on
+    their first expert's site); they are read here, once."""
     total = {"guided_fallback": 0, "guided_elements": 0}
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         for lin in fp4_linears(chunk):
             for k in total:
-                total[k] += lin.site.stats.pop(k, 0)
-    return total
+                total[k] = total[k] + lin.site.stats.pop(k, 0)
+    return {k: int(v) for k, v in total.items()}

@@ -38,23 +38,26 @@ class _ReplayHook:
         if ids is None:
             r.last_topk_ids = own_ids.detach()
             return own_vals, own_ids
+        on_host = ids.device.type == "cpu"
         ids = ids.to(device=scores.device, dtype=torch.long)
         if ids.shape != own_ids.shape:
             raise ValueError(f"R3 replay ids for layer {r.layer_index} have shape {tuple(ids.shape)}, the "
                              f"router sees {tuple(own_ids.shape)} [tokens, topk] (tokens are [seq, batch] "
                              "flattened, sequence-parallel shard only)")
-        if int(ids.min()) < 0 or int(ids.max()) >= scores.shape[1]:
+        # the range check reads the ids: free for host ids; device ids were checked once per batch by the
+        # trainer (Trainer._shard), so no host sync per router and micro-batch
+        if on_host and (int(ids.min()) < 0 or int(ids.max()) >= scores.shape[1]):
             raise ValueError(f"R3 replay ids for layer {r.layer_index} must lie in [0, {scores.shape[1]})")
-        with torch.no_grad():
+        with torch.no_grad():   # agreement counts stay on the device until pop_router_agreement
             own_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, own_ids, True)
             hits = own_mask.gather(1, ids)
             if r.replay_counted is None:
-                r.agreement_hits += int(hits.sum())
-                r.agreement_total += hits.numel()
+                r.agreement_hits = r.agreement_hits + hits.sum()
+                r.agreement_total = r.agreement_total + hits.numel()
             else:   # only tokens the engine routed (no padding)
                 counted = r.replay_counted
-                r.agreement_hits += int((hits & counted[:, None]).sum())
-                r.agreement_total += int(counted.sum()) * hits.shape[1]
+                r.agreement_hits = r.agreement_hits + (hits & counted[:, None]).sum()
+                r.agreement_total = r.agreement_total + counted.sum() * hits.shape[1]
         r.last_topk_ids = ids
         return scores.gather(1, ids), ids
 
@@ -89,8 +92,9 @@ def clear_replay(model) -> None:
         r.set_replay(None)
 
 
-def pop_router_agreement(model) -> tuple[int, int]:
-    """(matching slots, replayed slots) summed over this rank's routers since the last call; resets."""
+def pop_router_agreement(model) -> tuple:
+    """(matching slots, replayed slots) summed over this rank's routers since the last call (ints or device
+    tensors: read them once, e.g. with the all-reduce the trainer does); resets."""
     hits = total = 0
     for r in r3_routers(model):
         hits, total = hits + r.agreement_hits, total + r.agreement_total

@@ -4,7 +4,8 @@ One TransformerLayer spec, mirroring Megatron's `get_gpt_layer_local_spec` for a
     input_layernorm   RMSNorm (AQN site)
     self_attention    SelfAttention(linear_qkv, core_attention, linear_proj, q/k RMSNorm)  GQA + RoPE
     pre_mlp_layernorm RMSNorm (AQN site)
-    mlp               MoELayer(R3TopKRouter, SequentialMLP of SwiGLU experts, optional shared expert)
+    mlp               MoELayer(R3TopKRouter, SwiGLU experts as grouped GEMMs (QATGroupedMLP) or one after
+                      another (QATSequentialMLP, trainer.moe_experts=sequential), optional shared expert)
                       or a dense SwiGLU MLP when model.num_experts == 0.
 Every linear is our FP4ColumnParallelLinear / FP4RowParallelLinear subclass bound to the QAT settings of
 its role (quant.targets: routed_experts -> only expert fc1/fc2; all_linears -> also qkv, proj, the shared
@@ -14,7 +15,8 @@ output layer (LM head) always stay in high precision.
 Transformer Engine: when TE imports on a CUDA machine, core attention is TEDotProductAttention (fused
 attention kernels); otherwise Megatron's local DotProductAttention. TE's fused LayerNormLinear and
 grouped-GEMM experts are not used because the QAT, TRACE and AQN hooks live in our linears and norms
-and must not depend on TE (TE's own NVFP4 recipe also needs Blackwell).
+and must not depend on TE (TE's own NVFP4 recipe also needs Blackwell); the grouped experts use
+torch._grouped_mm instead (models/grouped_experts.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from .experts import QATSequentialMLP
+from .grouped_experts import QATGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -54,6 +57,15 @@ def quant_settings(quant_cfg, role: str, fallback_shift: float = 0.25) -> QuantS
         return OFF
     return QuantSettings(format=quant_cfg.format, weights=True, activations=quant_cfg.scheme == "w4a4",
                          fallback_shift=fallback_shift)
+
+
+def expert_mlp_class(cfg) -> type:
+    """The routed-expert MLP of `cfg.trainer.moe_experts`: grouped GEMMs (default; the same numbers, fewer and
+    larger launches) or Megatron's one-expert-after-another SequentialMLP, the reference. QeRL mode (LoRA)
+    keeps the per-expert path: its adapters live in the expert linears."""
+    if cfg.trainer.moe_experts == "sequential" or cfg.lora.enabled:
+        return QATSequentialMLP
+    return QATGroupedMLP
 
 
 def te_available() -> bool:
@@ -99,7 +111,7 @@ def qwen3_moe_layer_spec(cfg, use_te: bool | None = None) -> ModuleSpec:
         shared = (partial(SharedExpertMLP, submodules=dense_mlp)
                   if cfg.model.moe_shared_expert_ffn_hidden_size else None)
         mlp = partial(MoELayer, submodules=MoESubmodules(
-            experts=partial(QATSequentialMLP, submodules=experts), shared_experts=shared, router=R3TopKRouter))
+            experts=partial(expert_mlp_class(cfg), submodules=experts), shared_experts=shared, router=R3TopKRouter))
     else:
         mlp = partial(MLP.as_mlp_submodule, submodules=dense_mlp)
 

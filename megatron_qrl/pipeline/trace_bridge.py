@@ -7,6 +7,9 @@ placement the cache stays local (no transport); the multi-rank transport is mega
 While measuring is on (the log-prob pass), every guided site also records how many cached elements the
 trainer's own nearest rounding would have put on another codeword (trace/code_mismatch_before) and how many
 the guided rounding does (trace/code_mismatch_after).
+The hook is trace.BatchGuides: guide rows indexed once per batch and gathered on the trainer's device,
+mismatches counted there (trace/device_guides.py). device_guides=False selects the host reference
+(lookup.MicroBatchGuides, per-site host lookups and mismatch counts), kept for tests and comparisons.
 """
 from __future__ import annotations
 
@@ -49,8 +52,9 @@ def expert_sources(cfg, num_samples: int):
 
 
 class TraceBridge:
-    def __init__(self, cfg):
+    def __init__(self, cfg, device_guides: bool = True):
         self.cfg = cfg
+        self.device_guides = device_guides
         self.enabled = bool(cfg.trace.enabled and cfg.cached_layers())
         self._metrics = None
         self._guides = None
@@ -97,10 +101,19 @@ class TraceBridge:
         seq_len = batch.tokens.shape[1]
         if sp and tp > 1:   # the trainer pads T to a multiple of TP under sequence parallelism (trainer/batch.py)
             seq_len = -(-seq_len // tp) * tp
-        inner = MicroBatchGuides(cache, seq_len, batch.r3_expert_ids, tp_rank=ps.get_tensor_model_parallel_rank(),
-                                 tp_size=tp, sequence_parallel=sp, metrics=self._metrics,
-                                 expert_sources=expert_sources(self.cfg, batch.tokens.shape[0]))
-        self._guides = _MeasuringGuides(inner, self._metrics, self.cfg.trace.fallback_shift)
+        layout = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp, sequence_parallel=sp,
+                      metrics=self._metrics, expert_sources=expert_sources(self.cfg, batch.tokens.shape[0]))
+        if self.device_guides:
+            from megatron_qrl.platform import device
+            from megatron_qrl.trace import BatchGuides
+
+            ep, n = ps.get_expert_model_parallel_world_size(), self.cfg.model.num_experts
+            local = (ps.get_expert_model_parallel_rank() * (n // ep), n // ep) if n else (0, 0)
+            self._guides = BatchGuides(cache, seq_len, batch.r3_expert_ids, local_experts=local, num_experts=n,
+                                       device=device(), **layout)
+        else:
+            inner = MicroBatchGuides(cache, seq_len, batch.r3_expert_ids, **layout)
+            self._guides = _MeasuringGuides(inner, self._metrics, self.cfg.trace.fallback_shift)
         return self._guides, out
 
     def after_logprobs(self) -> dict:

@@ -1,5 +1,9 @@
 """Trainer -> engine weight sync: the codec's FP4 bytes with a digest per tensor, then a fresh AQN draw.
 
+Packing and digests run on the trainer's device (quant/wire.py, quant/digest.py): no host copy of the
+payload; the routed experts' FP4 bytes come from the grouped experts' QAT quantizer when it quantizes in
+the sync's format (models/grouped_experts.py), so one quantization per weight change serves both.
+
 The engine refuses an update whose bytes do not hash to the sent digests (nothing changes then); after a
 successful install we audit that the engine holds exactly the digests we sent (sync/hash_ok). AQN noise
 (METHODS.md section 5) is drawn after each sync: the engine's norm weight = trainer weight + fresh Z, never
@@ -93,15 +97,32 @@ def quantized_weight_names(chunks: list[torch.nn.Module], cfg) -> set[str]:
     return out
 
 
+def qat_fp4_weights(chunks: list[torch.nn.Module], fmt: str) -> dict:
+    """{parameter name: FP4Tensor} that the grouped experts' QAT quantizer holds for the current weights in
+    `fmt` (one launch per layer and role; the next training forward reuses the same quantization)."""
+    from megatron_qrl.models import grouped_expert_modules
+
+    out = {}
+    for chunk in chunks:
+        for name, mod in grouped_expert_modules(chunk):
+            out.update({f"{name}.{k}": v for k, v in mod.fp4_weights(fmt).items()})
+    return out
+
+
 def local_payload(trainer, cfg):
     """(weights, digests) of this rank's unsharded trainer: the codec's FP4 bytes of the quantized linears,
-    the other parameters as they are (no communication)."""
-    from megatron_qrl.rollout.weights import pack_state
+    the other parameters as they are (no communication). Quantized on the trainer's device -- the experts'
+    bytes from their QAT quantizer where it runs in the sync's format, the rest in one codec launch per
+    group of equal shapes -- and hashed there (qh128, quant/digest.py)."""
+    from megatron_qrl.quant.wire import pack_state
 
     chunks = unwrap(trainer.model)
     quantized = quantized_weight_names(chunks, cfg)
+    fmt = cfg.rollout.weights
+    prepacked = qat_fp4_weights(chunks, fmt) if fmt in ("nvfp4", "mxfp4") else {}
     named = ((n, p.detach()) for c in chunks for n, p in c.named_parameters())
-    return pack_state(named, cfg.rollout.weights, quantized.__contains__)
+    return pack_state(named, fmt, quantized.__contains__, prepacked={n: t for n, t in prepacked.items()
+                                                                      if n in quantized})
 
 
 def trainer_payload(trainer, cfg, everywhere: bool = False):
@@ -109,7 +130,7 @@ def trainer_payload(trainer, cfg, everywhere: bool = False):
     ranks when the trainer is sharded (gather_weights). Returns (None, None) on every trainer rank but 0,
     the one that sends, unless `everywhere` (colocated engines: every rank installs the full model)."""
     from megatron_qrl.platform import trainer_group
-    from megatron_qrl.rollout.weights import pack_state
+    from megatron_qrl.quant.wire import pack_state
 
     from .gather_weights import full_named_parameters, global_names
 
@@ -137,11 +158,10 @@ def sync_weights(engine, trainer, cfg, step: int, version: int) -> dict:
 
         return sync_sglang(engine, trainer, cfg, step, version)
     t0 = time.perf_counter()
-    if is_sharded(cfg):   # a colocated engine beside a sharded trainer: every rank gathers the full model
-        weights, hashes = trainer_payload(trainer, cfg, everywhere=True)
-        engine.update_weights(weights, version, hashes)
-    else:
-        hashes = engine.sync_from_model(unwrap(trainer.model), version)
+    # a colocated engine beside a sharded trainer: every rank gathers the full model; unsharded: this rank's
+    # payload (EmbeddedEngine.sync_from_model's, with the QAT quantizer's expert bytes reused)
+    weights, hashes = trainer_payload(trainer, cfg, everywhere=True) if is_sharded(cfg) else local_payload(trainer, cfg)
+    engine.update_weights(weights, version, hashes)
     hash_ok = holds_digests(getattr(getattr(engine, "store", None), "digests", None), hashes)
     sigma = set_trainer_aqn(trainer, cfg, step)
     engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))

@@ -30,6 +30,14 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     return amax / torch.tensor(e2m1.E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
 
 
+def nvfp4_global_scales(amax: torch.Tensor) -> torch.Tensor:
+    """`nvfp4_global_scale` of many tensors at once, from their amaxes (fp32 [n], e.g. one per expert):
+    the same elementwise operations, so each entry equals the 0-dim scale of its own tensor."""
+    amax = amax.detach().float()
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return amax / torch.tensor(e2m1.E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
+
+
 def nvfp4_block_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 scale per block of 16 along the last dim: float8_e4m3fn [..., K/16]."""
     blocks = x.detach().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)

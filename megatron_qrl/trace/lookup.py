@@ -37,6 +37,8 @@ class TraceGuide(GuidedRounding):
 
     found: Optional[torch.Tensor] = None          # bool [rows]: the cache held this row
     row_global_scales: Optional[torch.Tensor] = None  # fp32 [rows] (0 where not found)
+    # after complete_with_nearest every row is "found"; this keeps which rows the cache held (metrics count those)
+    cached_rows: Optional[torch.Tensor] = None
 
     @property
     def all_found(self) -> bool:
@@ -49,15 +51,16 @@ class TraceGuide(GuidedRounding):
     def to(self, device) -> "TraceGuide":
         mv = (lambda t: None if t is None else t.to(device))
         return TraceGuide(mv(self.bits), mv(self.scales), mv(self.global_scale), mv(self.found),
-                          mv(self.row_global_scales))
+                          mv(self.row_global_scales), mv(self.cached_rows))
 
     def reshape_rows(self, *row_shape: int) -> "TraceGuide":
         """Rows laid out as row_shape (e.g. [s, b] for a [s, b, K] activation)."""
         gs = self.global_scale
         if gs is not None and gs.dim() > 0:
             gs = gs.reshape(*row_shape, 1)
+        cached = self.cached_rows.reshape(row_shape) if self.cached_rows is not None else None
         return TraceGuide(self.bits.reshape(*row_shape, -1), self.scales.reshape(*row_shape, -1), gs,
-                          self.found.reshape(row_shape), self.row_global_scales.reshape(row_shape))
+                          self.found.reshape(row_shape), self.row_global_scales.reshape(row_shape), cached)
 
     def complete_with_nearest(self, x: torch.Tensor) -> "TraceGuide":
         """Fill rows the cache lacks with x's own nearest encoding (global scale from all of x, local:
@@ -77,6 +80,7 @@ class TraceGuide(GuidedRounding):
         row_gs = self.row_global_scales.reshape(-1).to(x.device).index_fill(0, miss, float(gs_own))
         found = torch.ones_like(self.found).reshape(-1)
         guide = _assemble(out_bits, out_scales.view(torch.float8_e4m3fn), row_gs, found)
+        guide.cached_rows = self.found.reshape(-1)
         return guide.reshape_rows(*x.shape[:-1])
 
 

@@ -13,6 +13,8 @@ bit. Adjacent E2M1 codewords always differ in it (magnitude indices alternate pa
 counts exactly the disagreements by an odd number of codewords: every one-codeword disagreement --
 the kind TRACE targets and the bulk of train/rollout mismatches -- and the rare three-apart ones;
 disagreements by two codewords are invisible to it. Only rows the cache holds are counted.
+`mismatch_counts` is the host reference; the trainer counts on the device while it replays
+(trace/replay.replay_rows -> TraceMetrics.add_device_mismatch) and reads the counters once per pass.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def mismatch_counts(x: torch.Tensor, guide, fallback_shift: float = 0.25) -> dic
     """
     x2 = x.detach().reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    found = getattr(guide, "found", None)
+    found = getattr(guide, "cached_rows", None)   # a completed guide: the rows the cache held
+    if found is None:
+        found = getattr(guide, "found", None)
     keep = (torch.arange(n, device=x.device) if found is None
             else torch.nonzero(found.reshape(-1)).reshape(-1).to(x.device))
     gs_own = nvfp4_global_scale(x2)
@@ -55,9 +59,24 @@ class TraceMetrics:
 
     def __init__(self):
         self.counters: dict[str, float] = defaultdict(float)
+        self._device: dict[str, torch.Tensor] = {}   # counts still on the device (read once, in as_dict)
 
     def count(self, name: str, value: float = 1) -> None:
         self.counters[name] += value
+
+    def add_device_mismatch(self, before: torch.Tensor, after: torch.Tensor, elements: int) -> None:
+        """Mismatch counts computed on the device (trace/replay.replay_rows): accumulated there, no sync."""
+        for k, v in (("mismatch_before", before), ("mismatch_after", after)):
+            self._device[k] = self._device[k] + v if k in self._device else v
+        self.count("mismatch_elements", elements)
+
+    def _fold_device(self) -> None:
+        if self._device:
+            keys = list(self._device)
+            values = torch.stack([self._device[k].to(torch.float64) for k in keys]).tolist()   # one host read
+            for k, v in zip(keys, values):
+                self.counters[k] += v
+            self._device.clear()
 
     def add_transfer(self, seconds: float, bytes_received: int, bytes_sent: int = 0) -> None:
         self.count("transfer_s", seconds)
@@ -72,6 +91,7 @@ class TraceMetrics:
         return c
 
     def as_dict(self) -> dict[str, float]:
+        self._fold_device()
         c = self.counters
         out = {PREFIX + k: v for k, v in c.items()
                if k not in ("mismatch_before", "mismatch_after", "mismatch_elements")}
@@ -87,3 +107,4 @@ class TraceMetrics:
 
     def reset(self) -> None:
         self.counters.clear()
+        self._device.clear()

@@ -84,6 +84,12 @@ class Trainer:
         return ps.is_pipeline_last_stage()
 
     def _shard(self, batch: dict) -> ShardedBatch:
+        ids = batch.get("r3_expert_ids") if self.cfg.r3.enabled else None
+        if ids is not None and ids.numel():   # checked once per batch, not by every router per micro-batch
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.cfg.model.num_experts:
+                raise ValueError(f"batch['r3_expert_ids'] must lie in [0, {self.cfg.model.num_experts}), got "
+                                 f"[{lo}, {hi}]")
         mult = ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
         return shard(batch, self.dp_rank, self.dp_size, self.cfg.trainer.micro_batch_size, mult, self.device)
 
@@ -142,6 +148,9 @@ class Trainer:
 
     def _run(self, sb: ShardedBatch, loss_fn: Optional[LossFn], forward_only: bool) -> list:
         fb = get_forward_backward_func()
+        guides = sb.micro_batches[0].get("trace_guides") if sb.micro_batches else None
+        if hasattr(guides, "prepare"):   # device TRACE guides: index every micro-batch's rows once per batch
+            guides.prepare([(mb["sample_ids"], mb["batch_rows"]) for mb in sb.micro_batches])
         try:
             return fb(forward_step_func=self._forward_step(loss_fn), data_iterator=iter(sb.micro_batches),
                       model=self.model, num_microbatches=len(sb.micro_batches), seq_length=sb.padded_seq_len,
@@ -192,7 +201,8 @@ class Trainer:
             self.step += 1
         stats = self._reduce_stats(out)
         hits, total = pop_router_agreement(self.model)
-        agreement = torch.tensor([float(hits), float(total)], dtype=torch.float64, device=self.device)
+        agreement = torch.stack([torch.as_tensor(hits, dtype=torch.float64, device=self.device),
+                                 torch.as_tensor(total, dtype=torch.float64, device=self.device)])
         dist.all_reduce(agreement, group=trainer_group())
         if agreement[1] > 0:
             stats["r3/router_agreement"] = float(agreement[0] / agreement[1])

@@ -63,7 +63,7 @@ def check_weight_cache(trainer) -> None:
     import torch
     from megatron.core.utils import unwrap_model
 
-    from megatron_qrl.models import fp4_linear, fp4_linears, weights_changed
+    from megatron_qrl.models import fp4_linear, fp4_linears, grouped_expert_modules, weights_changed
 
     from megatron_qrl.models import quantize_dequantize
 
@@ -76,9 +76,21 @@ def check_weight_cache(trainer) -> None:
             lin.weight.data.mul_(0.5)          # as Megatron's bf16 optimizers write: no version bump
     weights_changed()
     trainer.logprobs(batch)
+    grouped = {}   # linear -> (grouped expert MLP, role, index): their weights are quantized by the MLP, stacked
+    for _, mlp in grouped_expert_modules(unwrap_model(trainer.model)[0]):
+        for role in mlp.ROLES:
+            for j, lin in enumerate(mlp._linears(role)):
+                grouped[id(lin)] = (mlp, role, j)
     for lin in linears:   # the forward used the FP4 codes of the weight as it is now
-        expected, _ = quantize_dequantize(lin.weight.detach(), lin.quant.format, group=lin._tp())
-        assert torch.equal(lin._fq_weight_cache[1], expected), f"{lin.site.name}: stale FP4 weight after a .data write"
+        w = lin.weight.detach()
+        expected, _ = quantize_dequantize(w, lin.quant.format, group=lin._tp())
+        if id(lin) in grouped:
+            mlp, role, j = grouped[id(lin)]
+            used = mlp._qat_weights[role].effective[j]
+            assert torch.equal(used, w + (expected - w)), f"{lin.site.name}: stale grouped FP4 weight after a .data write"
+        else:
+            assert torch.equal(lin._fq_weight_cache[1], expected), f"{lin.site.name}: stale FP4 weight after a .data write"
+    assert grouped or not any(lin.site.expert is not None for lin in linears)
     epoch = fp4_linear._WEIGHT_EPOCH[0]
     trainer.train_step(batch, common.loss_fn)
     assert fp4_linear._WEIGHT_EPOCH[0] > epoch, "train_step must invalidate the cached FP4 weights"
