@@ -91,7 +91,7 @@ def test_prompt_longer_than_the_context_is_an_input_error_not_an_engine_failure(
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     err = _one_error(_qrl("train", "--config", TINY, f"run.output_dir={tmp_path}/run", "data.task=jsonl",
                           f"data.path={data}", "data.eval_size=8", *SMALL))
-    assert "row 7 (203 tokens)" in err and "longer than the 112 tokens the context leaves" in err
+    assert "1 train prompt(s) are too long for the model's context, e.g. row 7: 203 prompt tokens" in err
     line = next(x for x in err.splitlines() if x.startswith("qrl train: error:"))
     assert "rollout.max_new_tokens" in line and "model.max_sequence_length" in line and "engine" not in line
 
