@@ -328,7 +328,15 @@ def run(a) -> dict:
         res["floor_ms"][key] = {b: {"fp4": hbm_floor_ms(cfg, b, ctx, True, a.hbm_tbs),
                                     "bf16": hbm_floor_ms(cfg, b, ctx, False, a.hbm_tbs)} for b in a.batches}
         for name in [e for e in a.engines if e != "hf"]:
-            eng = build_engine(a, layers, name, max(a.batches))
+            try:
+                eng = build_engine(a, layers, name, max(a.batches))
+            except Exception as e:   # noqa: BLE001 - e.g. out of memory at 48 layers: keep the other results
+                res.setdefault("failed", {})[f"{layers}:{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"[bench] {layers} layers {name}: FAILED {res['failed'][f'{layers}:{name}']}", file=sys.stderr,
+                      flush=True)
+                eng = None
+                free()
+                continue
             res["decode"][name] = eng.decode_mode
             for b in a.batches:
                 if eng.decode_mode == "eager" and b not in a.eager_batches:
@@ -424,6 +432,8 @@ def table(res: dict) -> str:
             lines.append("| " + " | ".join(row) + " |")
     if res.get("health"):
         lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
+    if res.get("failed"):
+        lines += ["", "failed: " + "; ".join(f"{k}: {v}" for k, v in res["failed"].items())]
     if res["overheads"]:
         lines += ["", "overheads: " + "; ".join(f"{k}: {v}" for k, v in res["overheads"].items())]
     if res["checks"]:
