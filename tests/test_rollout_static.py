@@ -297,6 +297,29 @@ def test_batched_sampling_equals_row_by_row():
             assert all(int(t) in allowed[i].tolist() for i, t in enumerate(batch))
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=5),
+                                      SamplingParams(temperature=0.9, max_new_tokens=6, seed=7),
+                                      SamplingParams(temperature=1.0, top_k=10, max_new_tokens=6, seed=8)],
+                         ids=["greedy", "sampled", "top_k"])
+def test_device_sampling_kernels_in_both_loops(source_model, sampling, monkeypatch):
+    """QRL_KERNELS=triton sends the sampling of the eager engine, of the static loop's admission and of its
+    step to the sampling kernels (interpreter): both loops still agree, and with this 64-token vocabulary
+    (no uniform near a CDF boundary) they pick the torch path's tokens."""
+    from megatron_qrl.kernels import decode_sampling
+
+    ps = prompts(5, 9, 3, seed=6)
+    ref = engine(source_model, "eager", weights="bf16").generate(ps, sampling)
+    calls, original = [], decode_sampling._select
+    monkeypatch.setattr(decode_sampling, "_select", lambda *a, **kw: calls.append(a[1]) or original(*a, **kw))
+    monkeypatch.setenv("QRL_KERNELS", "triton")
+    a = engine(source_model, "eager", weights="bf16").generate(ps, sampling)
+    eager_calls = len(calls)
+    b = engine(source_model, "static", window=2, weights="bf16").generate(ps, sampling)
+    assert eager_calls > 0 and len(calls) > eager_calls
+    assert_same(a, b, trace=False)
+    assert_same(ref, a, trace=False)
+
+
 def test_cache_decode_attention_kernel_matches_reference():
     from megatron_qrl.kernels.cache_attention import cache_decode_attention, cache_decode_attention_reference
 
