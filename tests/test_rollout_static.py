@@ -46,15 +46,20 @@ def _raw(t):
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
-def assert_same(a, b, logp_atol=1e-5, trace=True, min_byte_agreement=0.99, scale_rtol=1e-5):
+def assert_same(a, b, logp_atol=1e-5, trace=True, min_byte_agreement=0.99, scale_rtol=1e-5, routed_sets=False):
     """Same tokens, finish reasons and routed experts; log-probs within logp_atol; TRACE captures aligned
     row for row (prefill rows identical, decode rows agreeing in at least min_byte_agreement of the bytes:
-    float32 round-off between two implementations can move a value across an FP4 rounding boundary)."""
+    float32 round-off between two implementations can move a value across an FP4 rounding boundary).
+    routed_sets: compare each token's experts as a set (the routing kernel orders a token's slots by
+    descending score, torch.topk(sorted=False) in an unspecified order; R3 replays the set)."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.tokens == y.tokens and x.finish_reason == y.finish_reason
         assert float((x.logprobs - y.logprobs).abs().max()) <= logp_atol
-        assert torch.equal(x.routed_experts, y.routed_experts)
+        if routed_sets:
+            assert torch.equal(x.routed_experts.sort(-1).values, y.routed_experts.sort(-1).values)
+        else:
+            assert torch.equal(x.routed_experts, y.routed_experts)
         assert x.routed_experts.shape[0] == x.num_forwarded
         if not trace:
             continue
@@ -164,7 +169,7 @@ def test_kernel_path_equals_eager_kernel_engine(source_model, kw):
     w4a4 = kw["scheme"] == "w4a4"
     # W4A4: a 1-ulp change of a layer's input (the attention kernel's float32 order) changes some FP4 codes,
     # and a changed code is a large step, so later layers differ by more than round-off (what TRACE is for)
-    assert_same(a, b, logp_atol=5e-2 if w4a4 else 5e-6, min_byte_agreement=0, scale_rtol=None)
+    assert_same(a, b, logp_atol=5e-2 if w4a4 else 5e-6, min_byte_agreement=0, scale_rtol=None, routed_sets=True)
     assert sorted(b[0].trace) == ([0, 1] if w4a4 else [])
 
 
@@ -196,6 +201,40 @@ def test_fp4_kernel_experts_match_megatron_experts(source_model, fmt):
     x2[2] = 100.0                                   # an inactive row's input must not move anyone's scale
     y2, c2 = ker(x2, ids, probs, active)
     assert torch.equal(y2[a], y_ker[a]) and torch.equal(c2["fc1"]["bits"][a], c_ker["fc1"]["bits"][a])
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
+def test_fp4_kernel_experts_take_the_fused_routing(source_model, scheme, monkeypatch):
+    """`route` (the routing kernel) gives what Megatron's routing + the experts' own alignment give, and the
+    static step's kernel path routes through it (one route call per MoE layer and step)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from megatron_qrl.kernels import decode_routing
+    from megatron_qrl.rollout.decode_experts import FP4KernelExperts
+
+    eng = engine(source_model, "static", kernels="on", weights="nvfp4", scheme=scheme)
+    layer = eng.model.decoder.layers[1]
+    name = [n for n, m in eng.model.named_modules() if m is layer.mlp.experts][0]
+    ker = FP4KernelExperts(eng.kernels.grouped[name], "nvfp4", scheme == "w4a4", capture=True, keep_codes=True)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 64, generator=g)
+    active = torch.tensor([True, True, False, True, True, True])
+    logits = layer.mlp.router.gating(x)
+    probs, ids, routing = ker.route(logits, 2)
+    ref_probs, ref_ids = topk_routing_with_score_function(logits, 2, dense_output=True)
+    order, ref_order = ids.sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    assert torch.allclose(probs.gather(1, order.indices), ref_probs.gather(1, ref_order.indices), rtol=1e-6, atol=0)
+    (y, cap), (y_ref, cap_ref) = ker(x, ids, probs, active, routing=routing), ker(x, ids, probs, active)
+    assert torch.equal(y, y_ref) and (cap is None) == (scheme == "w4a16")
+    if cap is not None:
+        assert all(torch.equal(_raw(cap[r][n]), _raw(cap_ref[r][n])) for r in cap for n in cap[r])
+    calls, original = [], decode_routing.route_and_align
+    monkeypatch.setattr(decode_routing, "route_and_align",
+                        lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
+    out = eng.generate(prompts(3, 5, seed=1), SamplingParams(temperature=0.0, max_new_tokens=3))
+    decode_steps = eng._static_loop.stats["replays"]
+    assert len(out) == 2 and len(calls) == 2 * decode_steps          # two MoE layers per decode step
 
 
 def test_decode_mode_resolution():
@@ -256,6 +295,29 @@ def test_batched_sampling_equals_row_by_row():
         if params.top_k:
             allowed = torch.topk(logits, params.top_k, dim=-1).indices
             assert all(int(t) in allowed[i].tolist() for i, t in enumerate(batch))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=5),
+                                      SamplingParams(temperature=0.9, max_new_tokens=6, seed=7),
+                                      SamplingParams(temperature=1.0, top_k=10, max_new_tokens=6, seed=8)],
+                         ids=["greedy", "sampled", "top_k"])
+def test_device_sampling_kernels_in_both_loops(source_model, sampling, monkeypatch):
+    """QRL_KERNELS=triton sends the sampling of the eager engine, of the static loop's admission and of its
+    step to the sampling kernels (interpreter): both loops still agree, and with this 64-token vocabulary
+    (no uniform near a CDF boundary) they pick the torch path's tokens."""
+    from megatron_qrl.kernels import decode_sampling
+
+    ps = prompts(5, 9, 3, seed=6)
+    ref = engine(source_model, "eager", weights="bf16").generate(ps, sampling)
+    calls, original = [], decode_sampling._select
+    monkeypatch.setattr(decode_sampling, "_select", lambda *a, **kw: calls.append(a[1]) or original(*a, **kw))
+    monkeypatch.setenv("QRL_KERNELS", "triton")
+    a = engine(source_model, "eager", weights="bf16").generate(ps, sampling)
+    eager_calls = len(calls)
+    b = engine(source_model, "static", window=2, weights="bf16").generate(ps, sampling)
+    assert eager_calls > 0 and len(calls) > eager_calls
+    assert_same(a, b, trace=False)
+    assert_same(ref, a, trace=False)
 
 
 def test_cache_decode_attention_kernel_matches_reference():

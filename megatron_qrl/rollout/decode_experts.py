@@ -10,7 +10,9 @@ never change what active rows compute: their inputs are zeroed before any per-ex
   with their FP4 hooks) on each expert's rows in the token dispatcher's order, so it computes what the
   eager engine computes. Dynamic shapes and host synchronisation: never inside a CUDA graph.
 - `FP4KernelExperts`: the CUDA-graph path for FP4 weights on the grouped W4A16 Triton kernels (W4A16, and
-  W4A4 with each expert's dynamic global scale and capture in one fake-quant launch per role).
+  W4A4 with each expert's dynamic global scale and capture in one fake-quant launch per role). Its `route`
+  does the router's top-k, probabilities and the kernels' expert alignment in one or two launches
+  (kernels/decode_routing.py); the call then takes that precomputed routing.
 - `GroupedBF16Experts`: the CUDA-graph path for BF16 weights through torch._grouped_mm, so FP4 vs BF16
   compares weights, not loops.
 """
@@ -117,22 +119,42 @@ class FP4KernelExperts:
             cap["codes"] = packed
         return deq, cap
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, active: torch.Tensor):
+    def _block_m(self, n_assign: int) -> int:
+        """The gate/up kernel's block_m for n_assign assignments (what moe_w4a16 and _w4a4 pick)."""
+        from megatron_qrl.kernels.moe_grouped_gemm import heuristic_moe_config
+
+        w13 = self.runner.w13
+        return heuristic_moe_config(n_assign, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt).block_m
+
+    def route(self, logits: torch.Tensor, top_k: int, pre_softmax: bool = False,
+              scaling_factor: Optional[float] = None):
+        """Router logits [B, E] -> (probs [B, k], ids [B, k], MoERouting for this layer's kernels)."""
+        from megatron_qrl.kernels.decode_routing import route_and_align
+
+        return route_and_align(logits, top_k, self._block_m(logits.shape[0] * top_k), pre_softmax=pre_softmax,
+                               scaling_factor=scaling_factor)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, active: torch.Tensor,
+                 routing=None):
+        """routing: the MoERouting of ids from `route` (None: aligned here)."""
         from megatron_qrl.kernels.moe_grouped_gemm import moe_w4a16
 
         w13, w2 = self.runner.w13, self.runner.w2
         x = torch.where(active[:, None], x, torch.zeros_like(x))
         if not self.w4a4:
-            y = moe_w4a16(x.to(torch.bfloat16), w13, w2, ids, probs, combine=False)
+            y = moe_w4a16(x.to(torch.bfloat16), w13, w2, ids, probs, routing=routing, combine=False)
             return y.float().sum(1).to(x.dtype), None     # the k slots summed in fp32, as the unpermute does
-        return self._w4a4(x, ids, probs)
+        return self._w4a4(x, ids, probs, routing)
 
-    def _w4a4(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor):
+    def _w4a4(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, routing=None):
         """Each (token, slot) is its own row: its expert's input scale, then the kernels with top-1 routing.
-        Inputs are quantized in the model's dtype, as the eager engine's grouped experts do."""
+        Inputs are quantized in the model's dtype, as the eager engine's grouped experts do. The top-1
+        alignment of the B*k rows has the same sorted ids as the [B, k] one (row t*k + j is assignment
+        t*k + j), so a precomputed routing is only relabelled."""
         from dataclasses import replace
 
-        from megatron_qrl.kernels.moe_grouped_gemm import heuristic_moe_config, moe_align, moe_down, moe_gate_up
+        from megatron_qrl.kernels.decode_routing import align_only
+        from megatron_qrl.kernels.moe_grouped_gemm import heuristic_moe_config, moe_down, moe_gate_up
 
         w13, w2 = self.runner.w13, self.runner.w2
         B, k = ids.shape
@@ -143,7 +165,10 @@ class FP4KernelExperts:
         xq, cap1 = self._quantize(rows, flat, e)
         gu = replace(heuristic_moe_config(n, e, f, w13.k, True, w13.fmt), x_pre=False)
         dn = replace(heuristic_moe_config(n, e, w2.n, w2.k, False, w2.fmt), x_pre=False)
-        routing = moe_align(flat.unsqueeze(1), e, gu.block_m)
+        if routing is not None and routing.block_m == gu.block_m:
+            routing = replace(routing, n_tokens=n, top_k=1)
+        else:
+            routing = align_only(flat.unsqueeze(1), e, gu.block_m)
         h_sorted = moe_gate_up(xq.to(torch.bfloat16), w13, routing, gu)
         sid = routing.sorted_ids.long()                                  # assignment per sorted row (pad = n)
         h = torch.zeros((n + 1, f), dtype=h_sorted.dtype, device=h_sorted.device)

@@ -32,8 +32,8 @@ import torch
 from .attention import StepBatch
 from .capture import RolloutRecords, recording_trace
 from .protocol import ActivationCapture, RolloutSample, SamplingParams
-from .rng import stream_keys, uniforms
-from .sampling import policy_logprobs, sample_rows
+from .rng import stream_keys
+from .sampling import sample_and_logprob
 
 _log = logging.getLogger(__name__)
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -248,10 +248,10 @@ class GraphDecodeLoop:
         slots = torch.where(act, st.slots[:B], st.scratch)
         wpos = torch.where(act, pos, torch.zeros_like(pos))
         logits, rec = self.model.forward(tok, wpos, slots, act)
-        new = sample_rows(logits, params, uniforms(st.keys[:B], n))
+        new, logp = sample_and_logprob(logits, params, st.keys[:B], n)
         w = torch.remainder(st.t, self.window).reshape(1)
         st.r_tokens[:B].index_copy_(1, w, new.unsqueeze(1))
-        st.r_logp[:B].index_copy_(1, w, policy_logprobs(logits, new).unsqueeze(1))
+        st.r_logp[:B].index_copy_(1, w, logp.unsqueeze(1))
         st.r_seq[:B].index_copy_(1, w, torch.where(act, st.seq[:B], torch.full_like(n, -1)).unsqueeze(1))
         st.r_n[:B].index_copy_(1, w, n.unsqueeze(1))
         if rec.routed is not None:
@@ -339,9 +339,9 @@ class GraphDecodeLoop:
             spans = [(s, batch.row_starts[b], batch.row_starts[b] + batch.row_lens[b]) for b, s in enumerate(chunk)]
             records.add_step(routed, captured, spans, batch.num_tokens)
             idx = torch.tensor(chunk, device=dev)
-            tok = sample_rows(logits, sampling, uniforms(keys[idx], torch.zeros_like(idx)))
+            tok, logp = sample_and_logprob(logits, sampling, keys[idx], torch.zeros_like(idx))
             out.tokens[idx, 0] = tok
-            out.logp[idx, 0] = policy_logprobs(logits, tok)
+            out.logp[idx, 0] = logp
             firsts.append(tok)
             eng.stats["forwarded_tokens"] += batch.num_tokens
         self.stats["admission_waves"] += 1

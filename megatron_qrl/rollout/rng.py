@@ -8,6 +8,9 @@ admission, and the eager and the graph decode paths draw exactly the same unifor
 
 The hash is 32-bit "lowbias32" mixing done in int64 tensors with every product kept below 2^63 (no signed
 overflow), so the same bits come out on the CPU and on the GPU. Two hashes give the 53 bits of a double.
+`uniforms` sends CUDA tensors (and, with QRL_KERNELS=triton under TRITON_INTERPRET=1, CPU ones) to one
+Triton launch with the same bits (kernels/decode_sampling.py) instead of ~100 tiny integer ops;
+`uniforms_reference` is the torch code.
 """
 from __future__ import annotations
 
@@ -43,6 +46,17 @@ def stream_keys(seed: int, indices: torch.Tensor) -> torch.Tensor:
 
 def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """float64 in [0, 1) for each (key, counter): the draw of a sequence's counter-th token."""
+    from megatron_qrl.kernels import use_triton
+
+    if use_triton(keys):
+        from megatron_qrl.kernels.decode_sampling import uniforms_kernel
+
+        return uniforms_kernel(keys, counters).view(keys.shape)
+    return uniforms_reference(keys, counters)
+
+
+def uniforms_reference(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """`uniforms` in torch integer ops (the reference of the kernel; the CPU path)."""
     c = counters.to(torch.int64)
     a = mix32(keys ^ mix32(2 * c))
     b = mix32(keys ^ mix32(2 * c + 1) ^ 0x5BD1E995)

@@ -212,10 +212,18 @@ class DecodeModel:
 
         r, mc = mlp.router, self.config
         logits = r.gating(x)
+        experts = self.experts[i]
+        if hasattr(experts, "route"):
+            # kernel experts: top-k, probabilities and their expert alignment in one or two launches
+            # (slots in descending score order; Megatron's top-k order is unspecified, the set is the same)
+            probs, ids, routing = experts.route(logits, r.topk, pre_softmax=mc.moe_router_pre_softmax,
+                                                scaling_factor=mc.moe_router_topk_scaling_factor)
+            y, cap = experts(x, ids, probs, active, routing=routing)
+            return y, ids, cap
         probs, ids = topk_routing_with_score_function(
             logits, r.topk, use_pre_softmax=mc.moe_router_pre_softmax, num_groups=mc.moe_router_num_groups,
             group_topk=mc.moe_router_group_topk, scaling_factor=mc.moe_router_topk_scaling_factor,
             score_function=r.score_function, expert_bias=r.expert_bias, fused=mc.moe_router_fusion,
             dense_output=True)
-        y, cap = self.experts[i](x, ids, probs, active)
+        y, cap = experts(x, ids, probs, active)
         return y, ids, cap
