@@ -72,6 +72,9 @@ def _finish(header: bytes, lanes: Sequence[int]) -> str:
     return f"{DEVICE_DIGEST}:{h.hexdigest()}"
 
 
+BATCH_BYTES = 1 << 28   # bytes hashed per batch of tensors (the flat copy + int64 segment ids: ~3x this)
+
+
 def _lane_sums(words: torch.Tensor, segment: torch.Tensor, local: torch.Tensor, n_segments: int) -> torch.Tensor:
     """int64 [n_segments, 2]: per segment and lane, the wrapped sum of fmix64 terms of these words."""
     out = torch.zeros(n_segments, 2, dtype=torch.int64, device=words.device)
@@ -82,7 +85,22 @@ def _lane_sums(words: torch.Tensor, segment: torch.Tensor, local: torch.Tensor, 
 
 
 def _qh128_many(tensors: Sequence[torch.Tensor]) -> list[str]:
-    """qh128 of tensors that share a device: one flat word buffer, per-segment sums, one host read."""
+    """qh128 of tensors that share a device, in batches of about BATCH_BYTES (so the flat buffer and its
+    per-word segment ids stay small next to a model: a 48-layer payload is tens of GB)."""
+    out: list[str] = []
+    batch: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        batch.append(t)
+        size += t.numel() * t.element_size()
+        if size >= BATCH_BYTES:
+            out += _qh128_batch(batch)
+            batch, size = [], 0
+    return out + (_qh128_batch(batch) if batch else [])
+
+
+def _qh128_batch(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """qh128 of one batch: one flat word buffer, per-segment sums, one host read."""
     if not tensors:
         return []
     device = tensors[0].device
@@ -94,7 +112,9 @@ def _qh128_many(tensors: Sequence[torch.Tensor]) -> list[str]:
         if pad:
             raw.append(torch.zeros(pad, dtype=torch.uint8, device=device))
         words_per.append((b.numel() + pad) // 4)
-    flat = torch.cat(raw) if len(raw) > 1 else raw[0].clone()
+    flat = torch.cat(raw) if len(raw) > 1 else raw[0]
+    if flat.storage_offset() % 4:            # a byte view must start on a word to be read as int32
+        flat = flat.clone()
     words_all = flat.view(torch.int32)
     total = sum(words_per)
     counts = torch.tensor(words_per, dtype=torch.int64).to(device, non_blocking=True)
