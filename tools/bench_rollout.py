@@ -108,11 +108,8 @@ def _sync():
 
 def build_engine(a, layers: int, engine: str, max_batch: int):
     """An EmbeddedEngine with its own random weights (seeded), installed through its own weight sync."""
-    import torch
-
-    from megatron_qrl.rollout.embedded import EmbeddedEngine
-
     from megatron_qrl.platform.distributed import seed_everything
+    from megatron_qrl.rollout.embedded import EmbeddedEngine
 
     seed_everything(a.seed)               # every engine initialises the same weights
     eng = EmbeddedEngine(make_cfg(a, layers, engine, max_batch), kernels="on" if a.tiny else None)

@@ -269,8 +269,9 @@ class RolloutRecords:
             self.spans.setdefault(key, []).append((self.offset + lo, hi - lo))
         self.offset += num_tokens
 
-    def finish(self, keys: list[int]) -> tuple[dict, dict]:
-        """(routed per key: host [n, L, k] or None, trace per key: {layer: {role: host ActivationCapture}})."""
+    def finish_blocks(self, keys: list[int]) -> tuple[Optional[torch.Tensor], dict, list[int]]:
+        """(routed rows of all keys, host [sum n, L, k] or None; trace {layer: {role: {field: host rows}}};
+        rows per key), rows in key order: one gather and one device->host copy per tensor."""
         routed_all = _cat(self.routed) if self.routed else None
         trace_all = {}
         if any(records for records, _ in self.captured):
@@ -282,22 +283,35 @@ class RolloutRecords:
         perm = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
         contiguous = bool(perm.numel() == self.offset and torch.equal(perm, torch.arange(self.offset)))
 
-        def split(full: torch.Tensor) -> list[torch.Tensor]:
+        def ordered(full: torch.Tensor) -> torch.Tensor:
             dtype, raw = full.dtype, _bytes_view(full)
             if not contiguous:
                 raw = raw.index_select(0, perm.to(raw.device))
+            return raw.cpu().view(dtype)
+
+        trace = {layer: {role: {attr: ordered(getattr(cap, attr)) for attr in ("bits", "scales", "global_scale", "codes")
+                                if getattr(cap, attr) is not None}
+                         for role, cap in roles.items()} for layer, roles in trace_all.items()}
+        return (ordered(routed_all) if routed_all is not None else None), trace, sizes
+
+    def finish(self, keys: list[int]) -> tuple[dict, dict]:
+        """(routed per key: host [n, L, k] or None, trace per key: {layer: {role: host ActivationCapture}})."""
+        routed_all, trace_all, sizes = self.finish_blocks(keys)
+
+        def split(full: torch.Tensor) -> list[torch.Tensor]:
             # own storage per sequence: a view would make torch.save of one sample carry all of them
-            return [t.clone().view(dtype) for t in torch.split(raw.cpu(), sizes)]
+            dtype = full.dtype
+            return [t.clone().view(dtype) for t in torch.split(_bytes_view(full), sizes)]
 
         routed = dict(zip(keys, split(routed_all))) if routed_all is not None else {key: None for key in keys}
         trace: dict = {key: {} for key in keys}
         for layer, roles in trace_all.items():
-            for role, cap in roles.items():
-                parts = {attr: split(getattr(cap, attr)) for attr in ("bits", "scales", "global_scale", "codes")
-                         if getattr(cap, attr) is not None}
+            for role, fields in roles.items():
+                parts = {attr: split(t) for attr, t in fields.items()}
+                fmt = self.fmt
                 for i, key in enumerate(keys):
                     trace[key].setdefault(layer, {})[role] = ActivationCapture(
-                        cap.format, parts["bits"][i], parts["scales"][i],
+                        fmt, parts["bits"][i], parts["scales"][i],
                         parts["global_scale"][i] if "global_scale" in parts else None,
                         parts["codes"][i] if "codes" in parts else None)
         return routed, trace

@@ -405,39 +405,44 @@ class GraphDecodeLoop:
     # -------------------------------------------------------------------------------- the samples
     def _samples(self, prompts, out: CallOutputs, finished, records: RolloutRecords,
                  sampling: SamplingParams) -> list[RolloutSample]:
-        eng = self.engine
-        routed_pre, trace_pre = records.finish(list(range(len(prompts))))
+        """Each sequence's prefill rows (eager records) then its decode rows, per tensor one gather on the host
+        and views per sequence (the samples of one call share each tensor's storage)."""
+        eng, S = self.engine, len(prompts)
+        routed_pre, trace_pre, pre_rows = records.finish_blocks(list(range(S)))
+        gen = [finished[s][0] for s in range(S)]
+        dec_rows = [max(n - 1, 0) for n in gen]
+        pre_start = torch.tensor([0] + pre_rows[:-1]).cumsum(0)
+        order = torch.cat([torch.cat([torch.arange(p0, p0 + p), sum(pre_rows) + s * out.N + torch.arange(d)])
+                           for s, (p0, p, d) in enumerate(zip(pre_start.tolist(), pre_rows, dec_rows))])
+        per_seq = [p + d for p, d in zip(pre_rows, dec_rows)]
+
+        def rows(pre: torch.Tensor, dec: Optional[torch.Tensor]) -> list[torch.Tensor]:
+            dtype = pre.dtype
+            dec = (torch.zeros((S * out.N, *pre.shape[1:]), dtype=torch.uint8) if dec is None
+                   else dec[:S].reshape(S * out.N, *pre.shape[1:]))
+            both = torch.cat([_bytes(pre), _bytes(dec)]).index_select(0, order)
+            return [t.view(dtype) for t in torch.split(both, per_seq)]
+
         tokens, logp = out.tokens.cpu(), out.logp.cpu()
-        routed = out.routed.cpu() if out.routed is not None else None
-        trace = {layer: {role: {name: buf.cpu().view(out.dtypes[(layer, role, name)]) for name, buf in fields.items()}
-                         for role, fields in roles.items()} for layer, roles in out.trace.items()}
+        routed = (rows(routed_pre, out.routed.cpu()) if routed_pre is not None and out.routed is not None
+                  else [None] * S)
+        caps: list[dict] = [{} for _ in range(S)]
+        for layer, roles in trace_pre.items():
+            for role, fields in roles.items():
+                dec = out.trace.get(layer, {}).get(role, {})
+                parts = {name: rows(t, dec[name].cpu() if name in dec else None) for name, t in fields.items()}
+                for s in range(S):
+                    caps[s].setdefault(layer, {})[role] = ActivationCapture(
+                        eng.format, parts["bits"][s], parts["scales"][s],
+                        parts["global_scale"][s] if "global_scale" in parts else None,
+                        parts["codes"][s] if "codes" in parts else None)
         samples = []
         for s, prompt in enumerate(prompts):
             n, reason = finished[s]
-            r = routed_pre[s]
-            if routed is not None and n > 1:
-                r = torch.cat([r, routed[s, :n - 1]])
-            cap = {}
-            for layer, roles in trace_pre[s].items():
-                cap[layer] = {}
-                for role, pre in roles.items():
-                    dec = trace.get(layer, {}).get(role)
-                    cap[layer][role] = pre if dec is None or n <= 1 else _cat_capture(pre, dec, s, n - 1)
             samples.append(RolloutSample(
                 prompt_ids=list(prompt), tokens=tokens[s, :n].tolist(),
                 logprobs=logp[s, :n].clone() if sampling.return_logprobs else None,
-                finish_reason="stop" if reason == STOPPED else "length", routed_experts=r, trace=cap,
+                finish_reason="stop" if reason == STOPPED else "length", routed_experts=routed[s], trace=caps[s],
                 weight_version=eng.version))
             eng.stats["generated_tokens"] += n
         return samples
-
-
-def _cat_capture(pre: ActivationCapture, dec: dict, s: int, rows: int) -> ActivationCapture:
-    def cat(a: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
-        if a is None:
-            return None
-        b = dec[name][s, :rows]
-        return torch.cat([_bytes(a), _bytes(b)]).view(a.dtype)
-
-    return ActivationCapture(pre.format, cat(pre.bits, "bits"), cat(pre.scales, "scales"),
-                             cat(pre.global_scale, "global_scale"), cat(pre.codes, "codes"))
