@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import _cast_out
+from .fp4_kv_decode import _combine_kernel
 from .w4a16_gemm import INTERPRET
 
 SPLIT_TOKENS = 256      # positions per split: short contexts touch one split, long ones spread out
@@ -74,21 +74,6 @@ def _cache_decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, ml_p
     tl.store(acc_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
     tl.store(ml_ptr + out_row * 2, m_i, mask=g_mask)
     tl.store(ml_ptr + out_row * 2 + 1, l_i, mask=g_mask)
-
-
-@triton.jit
-def _combine_kernel(acc_ptr, ml_ptr, o_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, RNE: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)                  # (row, q head)
-    sp = tl.arange(0, NUM_SPLITS)
-    m = tl.load(ml_ptr + (r * NUM_SPLITS + sp) * 2)
-    l = tl.load(ml_ptr + (r * NUM_SPLITS + sp) * 2 + 1)
-    m_all = tl.max(m, 0)
-    w = tl.where(m > -float("inf"), tl.exp(m - m_all), 0.0)
-    denom = tl.sum(w * l, 0)
-    d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + (r * NUM_SPLITS + sp)[:, None] * D + d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / denom
-    tl.store(o_ptr + r * D + d, _cast_out(out, o_ptr, RNE))
 
 
 def split_plan(max_len: int, block_s: int = 64) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import _to_bf16
+from .rounding import _cast_out, _to_bf16
 from .w4a16_gemm import INTERPRET
 
 
@@ -175,6 +175,8 @@ def _decode_attn_kernel(q_ptr, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, len
 
 @triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, o_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, RNE: tl.constexpr):
+    """Merge the splits' (acc, max, sum) partials in a fixed order; the output in o_ptr's dtype (also used by
+    cache_attention.py)."""
     r = tl.program_id(0).to(tl.int64)                  # (batch, q head)
     sp = tl.arange(0, NUM_SPLITS)
     m = tl.load(ml_ptr + (r * NUM_SPLITS + sp) * 2)
@@ -185,7 +187,7 @@ def _combine_kernel(acc_ptr, ml_ptr, o_ptr, D: tl.constexpr, NUM_SPLITS: tl.cons
     d = tl.arange(0, D)
     acc = tl.load(acc_ptr + (r * NUM_SPLITS + sp)[:, None] * D + d[None, :])
     out = tl.sum(acc * w[:, None], 0) / denom
-    tl.store(o_ptr + r * D + d, _to_bf16(out, RNE))
+    tl.store(o_ptr + r * D + d, _cast_out(out, o_ptr, RNE))
 
 
 def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: torch.Tensor,

@@ -16,6 +16,8 @@ from megatron_qrl.kernels.decode_fused import (add_rmsnorm, add_rmsnorm_referenc
                                                qk_norm_rope_cache_reference, rmsnorm_reference, rope_tables,
                                                rotate_half_rope_reference)
 
+from test_rollout_kernels import source_model  # noqa: F401  (the module-scoped test model)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
 POISON = -1234.5          # cache entries the kernel must not touch
@@ -206,21 +208,6 @@ def test_qk_norm_rope_cache_rejects_bad_layouts():
 
 
 # ------------------------------------------------------------------------------- inside DecodeModel
-@pytest.fixture(scope="module")
-def source_model():
-    from megatron_qrl.platform import init_distributed, teardown
-
-    from test_rollout_engine import make_cfg
-
-    cfg = make_cfg()
-    init_distributed(cfg)
-    from megatron_qrl.models import build_model
-
-    torch.manual_seed(0)
-    yield build_model(cfg)[0]
-    teardown()
-
-
 def _decode_models(source_model, **kw):
     """(fused, unfused): the kernel-path DecodeModel of a static engine, and a copy with the fused kernels off
     (torch norms, RoPE and cache writes; same experts and attention kernel) over its own copy of the cache."""

@@ -6,7 +6,6 @@ its attention the eager engine's, so tokens, log-probs, routed experts and TRACE
 eager engine's bit for bit. Kernel path (Triton interpreter): grouped FP4 expert kernels and the cache
 decode-attention kernel against the eager engine with the same kernels.
 """
-import dataclasses
 
 import pytest
 import torch
@@ -18,19 +17,7 @@ from megatron_qrl.rollout.rng import stream_keys, uniforms
 from megatron_qrl.rollout.sampling import sample_rows, sample_token, sequence_generator
 
 from test_rollout_engine import make_cfg, prompts
-
-
-@pytest.fixture(scope="module")
-def source_model():
-    from megatron_qrl.platform import init_distributed, teardown
-
-    cfg = make_cfg()
-    init_distributed(cfg)
-    from megatron_qrl.models import build_model
-
-    torch.manual_seed(0)
-    yield build_model(cfg)[0]
-    teardown()
+from test_rollout_kernels import source_model  # noqa: F401  (the module-scoped test model)
 
 
 def engine(model, decode, kernels="off", window=16, **kw):
