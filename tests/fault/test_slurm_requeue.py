@@ -24,7 +24,9 @@ def test_requeued_rl_job_resumes_from_its_last_checkpoint(cluster, tmp_path, can
     cancel_after(job)
     latest = out / "checkpoints" / "latest"
     metrics = out / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 400, "2 logged RL steps")
+    # a step's metrics line is written before its checkpoint (run_dir.py): wait for the checkpoint of step 2
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and latest.exists()
+             and int(latest.read_text().strip()[5:]) >= 2, 400, "2 logged and checkpointed RL steps")
     subprocess.run(["scontrol", "requeue", str(job)], check=True, capture_output=True)
     t_requeue = time.time()
     resume_from = int(latest.read_text().strip()[5:])  # a save racing the requeue can only make this later
