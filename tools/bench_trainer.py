@@ -365,7 +365,7 @@ def _run_mode(a, mode, cfg, forced, dev_type, B, T, budget_s) -> dict:
         _log(f"[{mode}] step {i + 1}/{steps}: {dt:.4f}s (CPU {dc:.4f}s) loss {st['loss']:.5f} "
              f"grad_norm {st['grad_norm']:.4f}")
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev) - base
+        peak_bytes = torch.cuda.max_memory_allocated(dev) - base
     else:
         rss_after = _rss_bytes()
     # a warm logprobs pass, when the budget leaves room for it (else the first, cold one is reported)
@@ -396,15 +396,15 @@ def _run_mode(a, mode, cfg, forced, dev_type, B, T, budget_s) -> dict:
         "moe_experts": cfg.trainer.moe_experts, **extras,
     }
     flops = flops_per_token(cfg, T)
-    peak = peak_tflops(torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, a.peak_tflops)
-    res.update(flops_per_token=flops, peak_tflops=peak,
-               mfu=(B * T / med) * flops["train"] / (peak * 1e12) if peak else None,
-               logprobs_mfu=(B * T / logprobs_s) * flops["forward"] / (peak * 1e12) if peak else None)
+    tflops = peak_tflops(torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, a.peak_tflops)
+    res.update(flops_per_token=flops, peak_tflops=tflops,
+               mfu=(B * T / med) * flops["train"] / (tflops * 1e12) if tflops else None,
+               logprobs_mfu=(B * T / logprobs_s) * flops["forward"] / (tflops * 1e12) if tflops else None)
     if dev.type == "cuda":
-        res.update(memory_kind="cuda_allocated", peak_mem_gib=_gib(peak), static_mem_gib=_gib(static),
+        res.update(memory_kind="cuda_allocated", peak_mem_gib=_gib(peak_bytes), static_mem_gib=_gib(static),
                    peak_reserved_gib=_gib(torch.cuda.max_memory_reserved(dev)),
                    mem_before_build_gib=_gib(base),
-                   peak_mem_gib_max_rank=_max_over_ranks(_gib(peak), dev))
+                   peak_mem_gib_max_rank=_max_over_ranks(_gib(peak_bytes), dev))
     else:
         res.update(memory_kind="cpu_rss", rss_after_steps_gib=_gib(rss_after), rss_before_build_gib=_gib(base),
                    peak_rss_process_gib=_gib(_maxrss_bytes()))
