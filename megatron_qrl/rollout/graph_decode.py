@@ -239,7 +239,10 @@ class GraphDecodeLoop:
         self.state = DecodeState(rows, window, self.shapes, engine.cache.scratch_slot, engine.device)
         self.graphs = DecodeGraphs(self._step, self.state, use_graphs)
         self.window = window
-        self.stats = {"windows": 0, "replays": 0, "admission_waves": 0}
+        # counts, and host wall time per phase (prefill waves, decode windows incl. their host check, the
+        # samples' assembly on the host): where a generate call's time goes
+        self.stats = {"windows": 0, "replays": 0, "admission_waves": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "assemble_s": 0.0}
 
     # --------------------------------------------------------------------------- the captured step
     def _step(self, B: int, params: SamplingParams) -> None:
@@ -291,8 +294,12 @@ class GraphDecodeLoop:
         row_gen = [0] * st.rows                        # tokens each row had generated at the last host check
         finished: dict[int, tuple[int, int]] = {}      # seq -> (tokens, reason)
         waiting = list(range(S))
+        clock = time.perf_counter
         while waiting or any(s >= 0 for s in row_seq):
+            t0 = clock()
             self._admit(prompts, waiting, row_seq, row_gen, finished, records, keys, out, sampling)
+            t1 = clock()
+            self.stats["prefill_s"] += t1 - t0
             used = max((r + 1 for r, s in enumerate(row_seq) if s >= 0), default=0)
             if used == 0:
                 continue
@@ -307,8 +314,12 @@ class GraphDecodeLoop:
             st.t.zero_()
             self._retire(bucket, row_seq, row_gen, finished)
             self._compact(row_seq, row_gen)
+            self.stats["decode_s"] += clock() - t1
         eng.stats["steps"] += self.stats["replays"]
-        return self._samples(prompts, out, finished, records, sampling)
+        t0 = clock()
+        samples = self._samples(prompts, out, finished, records, sampling)
+        self.stats["assemble_s"] += clock() - t0
+        return samples
 
     def _admit(self, prompts, waiting, row_seq, row_gen, finished, records, keys, out, sampling) -> None:
         """Prefill as many waiting prompts as free rows and KV slots allow; start their rows."""
