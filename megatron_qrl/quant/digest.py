@@ -2,9 +2,9 @@
 
 Algorithms (the name travels in the digest, '<algorithm>:<hex>', so the verifier recomputes with the
 sender's choice):
-- qh128 (the sync default): a 128-bit non-cryptographic hash computed with torch integer ops where the
-  bytes live, so a GPU payload is hashed on the GPU without a host copy, and many tensors at once in a
-  handful of launches (`tensor_digests`). Against accidental corruption, not against an adversary.
+- qh128 (the sync default): a 128-bit non-cryptographic hash computed where the bytes live, so a GPU
+  payload is hashed on the GPU without a host copy, many tensors at once (`tensor_digests`): one Triton
+  launch per batch on CUDA (kernels/qh128.py), torch integer ops elsewhere; both give the same sums. Against accidental corruption, not against an adversary.
 - sha256 (export files, and available for syncs), xxh3_128 (needs the xxhash package): over host bytes.
 
 qh128, exactly (`reference_qh128` is a pure-Python transcription that the tests compare with):
@@ -116,6 +116,11 @@ def _qh128_batch(tensors: Sequence[torch.Tensor]) -> list[str]:
     if flat.storage_offset() % 4:            # a byte view must start on a word to be read as int32
         flat = flat.clone()
     words_all = flat.view(torch.int32)
+    if device.type == "cuda":                # one Triton launch (kernels/qh128.py), the same sums
+        from megatron_qrl.kernels.qh128 import qh128_lane_sums
+
+        lanes = qh128_lane_sums(words_all, words_per, _LANES).cpu().tolist()
+        return [_finish(_header(t), lane) for t, lane in zip(tensors, lanes)]
     total = sum(words_per)
     counts = torch.tensor(words_per, dtype=torch.int64).to(device, non_blocking=True)
     starts_dev = torch.cumsum(counts, 0) - counts
