@@ -37,6 +37,8 @@ VARIANTS = {
     "static-refattn": (["rollout.decode=static"], "refattn"),
     "graphs-seqexperts": (["rollout.decode=graphs", "trainer.moe_experts=sequential"], None),
     "eager-seqexperts": (["rollout.decode=eager", "trainer.moe_experts=sequential"], None),
+    # TRACE on every layer: no unguided layer upstream of a cached one, so no divergence reaches its inputs
+    "graphs-alltrace": (["rollout.decode=graphs", "trace.num_cached_layers=12"], None),
 }
 KEYS = ["trace/code_mismatch_after", "trace/guided_fallback", "trace/code_mismatch_before", "mismatch/logp_abs_diff",
         "trace/missing_row_fraction", "rollout/tokens_per_s", "time/step_s"]
@@ -103,6 +105,7 @@ def main() -> int:
         if n not in VARIANTS:
             raise SystemExit(f"unknown variant {n!r}: use any of {', '.join(VARIANTS)}")
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", QRL_NO_PROGRESS="1")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, a.parallel))))
     env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("PYTHONPATH"), str(ROOT)) if x)
     pending, running, results = list(names), {}, {}
     while pending or running:

@@ -269,9 +269,10 @@ class RolloutRecords:
             self.spans.setdefault(key, []).append((self.offset + lo, hi - lo))
         self.offset += num_tokens
 
-    def finish_blocks(self, keys: list[int]) -> tuple[Optional[torch.Tensor], dict, list[int]]:
-        """(routed rows of all keys, host [sum n, L, k] or None; trace {layer: {role: {field: host rows}}};
-        rows per key), rows in key order: one gather and one device->host copy per tensor."""
+    def finish_blocks(self, keys: list[int], host: bool = True) -> tuple[Optional[torch.Tensor], dict, list[int]]:
+        """(routed rows of all keys, [sum n, L, k] or None; trace {layer: {role: {field: rows}}}; rows per key),
+        rows in key order: one gather per tensor, then a device->host copy each (host=False: left where they
+        are, for a caller that gathers further on the device)."""
         routed_all = _cat(self.routed) if self.routed else None
         trace_all = {}
         if any(records for records, _ in self.captured):
@@ -287,7 +288,7 @@ class RolloutRecords:
             dtype, raw = full.dtype, _bytes_view(full)
             if not contiguous:
                 raw = raw.index_select(0, perm.to(raw.device))
-            return raw.cpu().view(dtype)
+            return (raw.cpu() if host else raw).view(dtype)
 
         trace = {layer: {role: {attr: ordered(getattr(cap, attr)) for attr in ("bits", "scales", "global_scale", "codes")
                                 if getattr(cap, attr) is not None}

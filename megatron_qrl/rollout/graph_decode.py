@@ -126,6 +126,25 @@ class DecodeState:
         self.slots[count:] = self.scratch
 
 
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host through one pinned device->host copy: each packed at a 16-byte aligned offset
+    of one device staging buffer, then returned as views of the host buffer."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.contiguous() for t in tensors]
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    offsets, total = [], 0
+    for f in flat:
+        offsets.append(total)
+        total += -(-f.numel() // 16) * 16
+    stage = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    for f, at in zip(flat, offsets):
+        stage[at:at + f.numel()].copy_(f)
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    buf.copy_(stage, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [buf[at:at + f.numel()].view(t.dtype).view(t.shape) for t, f, at in zip(tensors, flat, offsets)]
+
+
 def _bytes_dtype(dt: torch.dtype) -> torch.dtype:
     return torch.uint8 if dt in (torch.float8_e4m3fn,) else dt
 
@@ -416,32 +435,40 @@ class GraphDecodeLoop:
     # -------------------------------------------------------------------------------- the samples
     def _samples(self, prompts, out: CallOutputs, finished, records: RolloutRecords,
                  sampling: SamplingParams) -> list[RolloutSample]:
-        """Each sequence's prefill rows (eager records) then its decode rows, per tensor one gather on the host
-        and views per sequence (the samples of one call share each tensor's storage)."""
-        eng, S = self.engine, len(prompts)
-        routed_pre, trace_pre, pre_rows = records.finish_blocks(list(range(S)))
+        """Each sequence's prefill rows (eager records) then its decode rows: per tensor one gather on the
+        device, then ONE device->host copy of everything (pinned) and views per sequence (the samples of one
+        call share each tensor's storage). Row-by-row host work here was most of TRACE's capture cost."""
+        eng, S, dev = self.engine, len(prompts), self.engine.device
+        routed_pre, trace_pre, pre_rows = records.finish_blocks(list(range(S)), host=False)
         gen = [finished[s][0] for s in range(S)]
         dec_rows = [max(n - 1, 0) for n in gen]
         pre_start = torch.tensor([0] + pre_rows[:-1]).cumsum(0)
         order = torch.cat([torch.cat([torch.arange(p0, p0 + p), sum(pre_rows) + s * out.N + torch.arange(d)])
-                           for s, (p0, p, d) in enumerate(zip(pre_start.tolist(), pre_rows, dec_rows))])
+                           for s, (p0, p, d) in enumerate(zip(pre_start.tolist(), pre_rows, dec_rows))]).to(dev)
         per_seq = [p + d for p, d in zip(pre_rows, dec_rows)]
+        gathered: list[torch.Tensor] = []          # device tensors that come to the host together
 
-        def rows(pre: torch.Tensor, dec: Optional[torch.Tensor]) -> list[torch.Tensor]:
-            dtype = pre.dtype
-            dec = (torch.zeros((S * out.N, *pre.shape[1:]), dtype=torch.uint8) if dec is None
-                   else dec[:S].reshape(S * out.N, *pre.shape[1:]))
-            both = torch.cat([_bytes(pre), _bytes(dec)]).index_select(0, order)
-            return [t.view(dtype) for t in torch.split(both, per_seq)]
+        def rows(pre: torch.Tensor, dec: Optional[torch.Tensor]) -> int:
+            pre = _bytes(pre).to(dev)
+            dec = (torch.zeros((S * out.N, *pre.shape[1:]), dtype=pre.dtype, device=dev) if dec is None
+                   else _bytes(dec[:S]).reshape(S * out.N, *pre.shape[1:]))
+            gathered.append(torch.cat([pre, dec]).index_select(0, order))
+            return len(gathered) - 1
 
-        tokens, logp = out.tokens.cpu(), out.logp.cpu()
-        routed = (rows(routed_pre, out.routed.cpu()) if routed_pre is not None and out.routed is not None
-                  else [None] * S)
+        routed_at = rows(routed_pre, out.routed) if routed_pre is not None and out.routed is not None else None
+        trace_at = {layer: {role: {name: (rows(t, out.trace.get(layer, {}).get(role, {}).get(name)), t.dtype)
+                                   for name, t in fields.items()}
+                            for role, fields in roles.items()} for layer, roles in trace_pre.items()}
+        tokens_at, logp_at = len(gathered), len(gathered) + 1
+        gathered += [out.tokens[:S], out.logp[:S]]
+        host = _to_host(gathered)
+        tokens, logp = host[tokens_at], host[logp_at]
+        split = lambda i, dtype: [t.view(dtype) for t in torch.split(host[i], per_seq)]   # noqa: E731
+        routed = split(routed_at, routed_pre.dtype) if routed_at is not None else [None] * S
         caps: list[dict] = [{} for _ in range(S)]
-        for layer, roles in trace_pre.items():
+        for layer, roles in trace_at.items():
             for role, fields in roles.items():
-                dec = out.trace.get(layer, {}).get(role, {})
-                parts = {name: rows(t, dec[name].cpu() if name in dec else None) for name, t in fields.items()}
+                parts = {name: split(i, dtype) for name, (i, dtype) in fields.items()}
                 for s in range(S):
                     caps[s].setdefault(layer, {})[role] = ActivationCapture(
                         eng.format, parts["bits"][s], parts["scales"][s],
