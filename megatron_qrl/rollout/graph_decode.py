@@ -259,9 +259,9 @@ class GraphDecodeLoop:
         self.graphs = DecodeGraphs(self._step, self.state, use_graphs)
         self.window = window
         # counts, and host wall time per phase (prefill waves, decode windows incl. their host check, the
-        # samples' assembly on the host): where a generate call's time goes
+        # samples' assembly: of it the prefill records' gather and the one device->host copy)
         self.stats = {"windows": 0, "replays": 0, "admission_waves": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                      "assemble_s": 0.0}
+                      "assemble_s": 0.0, "assemble_prefill_s": 0.0, "assemble_copy_s": 0.0}
 
     # --------------------------------------------------------------------------- the captured step
     def _step(self, B: int, params: SamplingParams) -> None:
@@ -439,7 +439,9 @@ class GraphDecodeLoop:
         device, then ONE device->host copy of everything (pinned) and views per sequence (the samples of one
         call share each tensor's storage). Row-by-row host work here was most of TRACE's capture cost."""
         eng, S, dev = self.engine, len(prompts), self.engine.device
+        t0 = time.perf_counter()
         routed_pre, trace_pre, pre_rows = records.finish_blocks(list(range(S)), host=False)
+        self.stats["assemble_prefill_s"] += time.perf_counter() - t0
         gen = [finished[s][0] for s in range(S)]
         dec_rows = [max(n - 1, 0) for n in gen]
         pre_start = torch.tensor([0] + pre_rows[:-1]).cumsum(0)
@@ -461,7 +463,9 @@ class GraphDecodeLoop:
                             for role, fields in roles.items()} for layer, roles in trace_pre.items()}
         tokens_at, logp_at = len(gathered), len(gathered) + 1
         gathered += [out.tokens[:S], out.logp[:S]]
+        t0 = time.perf_counter()
         host = _to_host(gathered)
+        self.stats["assemble_copy_s"] += time.perf_counter() - t0
         tokens, logp = host[tokens_at], host[logp_at]
         split = lambda i, dtype: [t.view(dtype) for t in torch.split(host[i], per_seq)]   # noqa: E731
         routed = split(routed_at, routed_pre.dtype) if routed_at is not None else [None] * S
