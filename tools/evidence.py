@@ -323,8 +323,31 @@ def smoke_command(root: Path, arm: str, arms: dict, steps: int) -> list[str]:
             f"run.eval_every={steps}", "data.eval_size=16", *arms[arm]]
 
 
+def sft_ready(root: Path, seed: int) -> bool:
+    """The seed's SFT evaluated and its checkpoint committed (the records alone do not start a run)."""
+    from megatron_qrl.run_dir import complete_checkpoints
+
+    return (sft_dir(root, seed) / "sft_eval.json").is_file() and bool(complete_checkpoints(sft_dir(root, seed)))
+
+
+def seed_done(root: Path, seed: int, arms: Sequence[str]) -> bool:
+    return all((run_dir(root, seed, arm) / DONE).is_file() for arm in arms)
+
+
+def redo_orphaned_seed(root: Path, seed: int, arms: Sequence[str]) -> None:
+    """A seed's arms must share one SFT process's weights. Records without the SFT checkpoint (a fresh machine
+    holding only the repository's runs/evidence_gpu) and an arm still to run: the seed is redone whole."""
+    if seed_done(root, seed, arms) or sft_ready(root, seed) or not (sft_dir(root, seed) / "sft_eval.json").is_file():
+        return
+    print(f"[evidence] seed {seed}: records without its SFT checkpoint and unfinished arms: redone from a new SFT",
+          flush=True)
+    shutil.rmtree(sft_dir(root, seed))
+    if (root / f"seed{seed}").exists():
+        shutil.rmtree(root / f"seed{seed}")
+
+
 def ensure_sft(root: Path, seed: int, sft_opts: Sequence[str] = ()) -> None:
-    if (sft_dir(root, seed) / "sft_eval.json").is_file():
+    if sft_ready(root, seed):
         return
     log = root / f"logs/sft_seed{seed}.log"
     t0 = time.time()
@@ -460,10 +483,11 @@ def run_parallel(root: Path, seeds: Sequence[int], arms: dict, chosen: Sequence[
         queue.append(Job(f"smoke {arm}", smoke_command(root, arm, arms, smoke_steps), root / f"logs/smoke_{arm}.log",
                          "smoke", out=out))
     for seed in seeds:
-        if not (sft_dir(root, seed) / "sft_eval.json").is_file():
+        redo_orphaned_seed(root, seed, chosen)
+        if not sft_ready(root, seed) and not seed_done(root, seed, chosen):
             queue.append(Job(f"sft seed {seed}", sft_command(root, seed, sft_opts), root / f"logs/sft_seed{seed}.log",
                              "sft", seed))
-    sft_ok = {seed for seed in seeds if (sft_dir(root, seed) / "sft_eval.json").is_file()}
+    sft_ok = {seed for seed in seeds if sft_ready(root, seed)}
     waiting = {seed: [arm for arm in chosen if not (run_dir(root, seed, arm) / DONE).is_file()] for seed in seeds}
     running: list[Job] = []
     summary: dict = {"jobs": [], "smoke_failed": False}
@@ -882,8 +906,9 @@ def write_outputs(root: Path, out_dir: Path, arms: dict, seeds: Sequence[int], l
 
 # --------------------------------------------------------------------------------------------- CLI
 # --cpu: every arm for 2 RL steps from a 10-step SFT on the CPU, through the same commands as the GPU campaign
-CPU_SMOKE = ("run.sft_steps=10", "run.total_steps=2", "run.eval_every=2", "data.eval_size=16",
-             "run.checkpoint_every=1")
+CPU_FP32 = ("trainer.bf16=false", "trainer.use_distributed_optimizer=false")   # a GPU config on the CPU
+CPU_SMOKE = CPU_FP32 + ("run.sft_steps=10", "run.total_steps=2", "run.eval_every=2", "data.eval_size=16",
+                        "run.checkpoint_every=1")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -965,7 +990,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{len(files)} files, {sum(f.stat().st_size for f in files)} bytes -> {a.dest}")
     elif a.command == "run":
         for seed in a.seeds:
-            ensure_sft(root, seed, sft_opts)
+            redo_orphaned_seed(root, seed, list(chosen))
+            if not seed_done(root, seed, list(chosen)):
+                ensure_sft(root, seed, sft_opts)
             for arm in chosen:
                 ensure_run(root, seed, arm, arms, a.steps)
         print(write_outputs(root, Path(a.out), chosen, a.seeds, a.last_n))
