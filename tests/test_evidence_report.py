@@ -144,3 +144,38 @@ def test_gpu_arms_valid_and_qerl_starts_from_the_packed_sft(tmp_path):
         assert cfg.quant.targets == "all_linears" and cfg.trace.num_cached_layers == cfg.model.num_layers
         assert cfg.run.checkpoint_every > 0 and cfg.data.seed == 2
     assert load_config(base, evidence.arm_overrides(tmp_path, 0, "qerl", arms, None)).lora.enabled
+
+
+def test_a_seed_without_its_sft_checkpoint_is_redone_whole(tmp_path):
+    from megatron_qrl.run_dir import mark_latest
+
+    arms = ["a", "b"]
+    for seed in (0, 1):
+        d = evidence.sft_dir(tmp_path, seed)
+        d.mkdir(parents=True)
+        (d / "sft_eval.json").write_text("{}")
+        for arm in arms:
+            evidence.run_dir(tmp_path, seed, arm).mkdir(parents=True)
+            (evidence.run_dir(tmp_path, seed, arm) / evidence.DONE).write_text("{}")
+    (evidence.run_dir(tmp_path, 1, "b") / evidence.DONE).unlink()          # seed 1: one arm left to run
+    evidence.redo_orphaned_seed(tmp_path, 0, arms)                           # all DONE: the records stay
+    evidence.redo_orphaned_seed(tmp_path, 1, arms)
+    assert evidence.seed_done(tmp_path, 0, arms) and (evidence.sft_dir(tmp_path, 0) / "sft_eval.json").is_file()
+    assert not evidence.sft_dir(tmp_path, 1).exists() and not (tmp_path / "seed1").exists()
+    ck = evidence.sft_checkpoint(tmp_path, 0)                               # with its checkpoint: ready, kept
+    ck.mkdir(parents=True)
+    (ck / "manifest.json").write_text("{}")
+    mark_latest(evidence.sft_dir(tmp_path, 0), ck)
+    (evidence.run_dir(tmp_path, 0, "a") / evidence.DONE).unlink()
+    evidence.redo_orphaned_seed(tmp_path, 0, arms)
+    assert evidence.sft_ready(tmp_path, 0) and (evidence.run_dir(tmp_path, 0, "b") / evidence.DONE).is_file()
+
+
+def test_campaign_options_reach_the_child_commands(monkeypatch, tmp_path):
+    arms_file = ROOT / "configs/evidence/gpu_arms.yaml"
+    monkeypatch.setattr(evidence, "ARMS", arms_file)
+    monkeypatch.setattr(evidence, "SETS", ["run.total_steps=2"])
+    cmd = evidence.sft_command(tmp_path, 3)
+    assert cmd[-4:] == ["--arms-file", str(arms_file), "--set", "run.total_steps=2"]
+    run = evidence.run_command(tmp_path, 3, "nvfp4", evidence.load_arms(), None)
+    assert run.index("run.total_steps=2") < run.index("rl.is_method=none")   # the arm's overrides come last
