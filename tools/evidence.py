@@ -230,7 +230,8 @@ def job_sft(root: Path, seed: int, target: Optional[float] = None, chunk: int = 
         result[f"eval_accuracy_{name}"] = ev["eval/accuracy"]
     lora_arms = [arm for arm, ov in load_arms().items() if is_lora_arm(ov)]
     if lora_arms:
-        result["lora_missing"] = write_lora_start(root, seed, s, lora_arms[0])
+        fresh = write_lora_start(root, seed, s, lora_arms[0])
+        result["lora_start"] = {"checkpoint": str(lora_checkpoint(root, seed)), "fresh_adapter_tensors": len(fresh)}
     _write_json(out / "sft_eval.json", result)
     print(json.dumps(result))
 
