@@ -36,7 +36,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "configs/evidence/base.yaml"   # --base replaces it (main() rebinds the module global)
-ARMS = REPO / "configs/evidence/arms.yaml"
+ARMS = REPO / "configs/evidence/arms.yaml"   # --arms-file replaces it
+SETS: list[str] = []                         # --set: dotted overrides for every process (e.g. the CPU smoke)
 DONE = "DONE"
 UNFINISHED = "UNFINISHED"                    # a run cut by its time limit or failed: metrics kept, marked
 
@@ -48,11 +49,18 @@ RUN_MEANS = (("mismatch/logp_abs_diff", "mismatch/logp_abs_diff"),
              ("is/truncated_frac", "is/truncated_frac"),
              ("rollout/tokens_per_s", "rollout tokens/s"),
              ("train/step_s", "train/step_s"),
-             ("step_wall_s", "RL step wall s"))   # time/wall differences (steps after an eval left out)
+             ("step_wall_s", "RL step wall s"),   # time/wall differences (steps after an eval left out)
+             ("policy/entropy", "policy entropy"),
+             ("ais/alpha_ess", "ais/alpha_ess"), ("ais/alpha_mis", "ais/alpha_mis"),
+             ("ais/alpha_var", "ais/alpha_var"),
+             ("time/step_s", "RL step s"))
+CURVES = {"mismatch": "mismatch/logp_abs_diff", "entropy": "policy/entropy"}   # per-step series kept per run
 
 
 # ------------------------------------------------------------------------------------------ configs
-def load_arms(path: Path = ARMS) -> dict[str, list[str]]:
+def load_arms(path: Optional[Path] = None) -> dict[str, list[str]]:
+    """The arms file (default: ARMS, which --arms-file rebinds): arm name -> dotted overrides."""
+    path = path or ARMS
     arms = yaml.safe_load(Path(path).read_text())
     if not isinstance(arms, dict) or not all(isinstance(v, list) for v in arms.values()):
         raise ValueError(f"{path} must map each arm name to a list of dotted overrides")
@@ -60,8 +68,9 @@ def load_arms(path: Path = ARMS) -> dict[str, list[str]]:
 
 
 def seed_overrides(seed: int) -> list[str]:
-    """Everything random follows the seed: data order and eval split, SFT init, sampling, AQN draws."""
-    return [f"run.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}", f"trainer.seed={1234 + seed}"]
+    """Everything random follows the seed: data order and eval split, SFT init, sampling, AQN draws. The
+    campaign's --set overrides follow (the arm's own overrides come last and win)."""
+    return [f"run.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}", f"trainer.seed={1234 + seed}", *SETS]
 
 
 def sft_dir(root: Path, seed: int) -> Path:
@@ -72,14 +81,24 @@ def sft_checkpoint(root: Path, seed: int) -> Path:
     return sft_dir(root, seed) / "checkpoints/step_000000"
 
 
+def lora_checkpoint(root: Path, seed: int) -> Path:
+    """The QeRL arm's start: the seed's SFT weights packed as a frozen NVFP4 base, fresh adapters (B = 0)."""
+    return sft_dir(root, seed) / "lora_checkpoints/step_000000"
+
+
 def run_dir(root: Path, seed: int, arm: str) -> Path:
     return root / f"seed{seed}" / arm
 
 
+def is_lora_arm(overrides: Sequence[str]) -> bool:
+    return "lora.enabled=true" in overrides
+
+
 def arm_overrides(root: Path, seed: int, arm: str, arms: dict, steps: Optional[int]) -> list[str]:
     extra = [f"run.total_steps={steps}"] if steps else []
+    init = lora_checkpoint(root, seed) if is_lora_arm(arms[arm]) else sft_checkpoint(root, seed)
     return (seed_overrides(seed) + [f"run.output_dir={run_dir(root, seed, arm)}", "run.sft_steps=0",
-                                    f"run.init_checkpoint={sft_checkpoint(root, seed)}"] + extra + arms[arm])
+                                    f"run.init_checkpoint={init}"] + extra + arms[arm])
 
 
 _CUDA: Optional[bool] = None
@@ -209,13 +228,41 @@ def job_sft(root: Path, seed: int, target: Optional[float] = None, chunk: int = 
         ev = evaluate(engine, s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens, s.reward_fn,
                       cfg.data.reward_time_limit_s)
         result[f"eval_accuracy_{name}"] = ev["eval/accuracy"]
+    lora_arms = [arm for arm, ov in load_arms().items() if is_lora_arm(ov)]
+    if lora_arms:
+        fresh = write_lora_start(root, seed, s, lora_arms[0])
+        result["lora_start"] = {"checkpoint": str(lora_checkpoint(root, seed)), "fresh_adapter_tensors": len(fresh)}
     _write_json(out / "sft_eval.json", result)
     print(json.dumps(result))
 
 
+def write_lora_start(root: Path, seed: int, s, arm: str) -> list[str]:
+    """The QeRL arm's starting checkpoint: a LoRA trainer of that arm's config whose frozen NVFP4 base is packed
+    from the SFT weights just saved (models/lora.py load_full_state), adapters at their seeded init."""
+    from megatron_qrl.config import load_config
+    from megatron_qrl.models.lora import load_full_state
+    from megatron_qrl.pipeline.checkpoint_write import checkpoint_write
+    from megatron_qrl.run_dir import mark_latest
+    from megatron_qrl.trainer import Trainer
+
+    overrides = [o for o in arm_overrides(root, seed, arm, load_arms(), None) if not o.startswith("run.init_")]
+    lora = Trainer(load_config(str(BASE), overrides))
+    missing = load_full_state(lora.unwrapped, s.trainer.unwrapped[0].state_dict())
+    unexpected = [n for n in missing if n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
+    if unexpected:
+        raise SystemExit(f"QeRL start: the SFT checkpoint has nothing for {unexpected}")
+    path = lora_checkpoint(root, seed)
+    with checkpoint_write(path):
+        lora.save(str(path), {"step": 0})
+    mark_latest(path.parent.parent, path)
+    return missing
+
+
 def load_config_steps() -> int:
-    """run.sft_steps of the base config (the SFT's step budget)."""
-    return int((yaml.safe_load(Path(BASE).read_text()).get("run") or {}).get("sft_steps", 0))
+    """run.sft_steps of the base config with the campaign's --set overrides (the SFT's step budget)."""
+    from megatron_qrl.config import load_config
+
+    return int(load_config(str(BASE), list(SETS)).run.sft_steps)
 
 
 def job_init_hash(root: Path, seed: int, arm: str) -> None:
@@ -251,15 +298,17 @@ def _write_json(path: Path, obj) -> None:
 # ---------------------------------------------------------------------------------------- campaign
 def _run_logged(cmd: list[str], log: Path) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
+    with open(log, "a") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
 
 
 def sft_command(root: Path, seed: int, sft_opts: Sequence[str] = ()) -> list[str]:
+    campaign = (["--arms-file", str(ARMS)] if Path(ARMS) != REPO / "configs/evidence/arms.yaml" else []) + \
+        (["--set", *SETS] if SETS else [])
     return [sys.executable, str(Path(__file__).resolve()), "sft", "--root", str(root), "--seed", str(seed),
-            "--base", str(BASE), *sft_opts]
+            "--base", str(BASE), *sft_opts, *campaign]
 
 
 def run_command(root: Path, seed: int, arm: str, arms: dict, steps: Optional[int]) -> list[str]:
@@ -275,8 +324,31 @@ def smoke_command(root: Path, arm: str, arms: dict, steps: int) -> list[str]:
             f"run.eval_every={steps}", "data.eval_size=16", *arms[arm]]
 
 
+def sft_ready(root: Path, seed: int) -> bool:
+    """The seed's SFT evaluated and its checkpoint committed (the records alone do not start a run)."""
+    from megatron_qrl.run_dir import complete_checkpoints
+
+    return (sft_dir(root, seed) / "sft_eval.json").is_file() and bool(complete_checkpoints(sft_dir(root, seed)))
+
+
+def seed_done(root: Path, seed: int, arms: Sequence[str]) -> bool:
+    return all((run_dir(root, seed, arm) / DONE).is_file() for arm in arms)
+
+
+def redo_orphaned_seed(root: Path, seed: int, arms: Sequence[str]) -> None:
+    """A seed's arms must share one SFT process's weights. Records without the SFT checkpoint (a fresh machine
+    holding only the repository's runs/evidence_gpu) and an arm still to run: the seed is redone whole."""
+    if seed_done(root, seed, arms) or sft_ready(root, seed) or not (sft_dir(root, seed) / "sft_eval.json").is_file():
+        return
+    print(f"[evidence] seed {seed}: records without its SFT checkpoint and unfinished arms: redone from a new SFT",
+          flush=True)
+    shutil.rmtree(sft_dir(root, seed))
+    if (root / f"seed{seed}").exists():
+        shutil.rmtree(root / f"seed{seed}")
+
+
 def ensure_sft(root: Path, seed: int, sft_opts: Sequence[str] = ()) -> None:
-    if (sft_dir(root, seed) / "sft_eval.json").is_file():
+    if sft_ready(root, seed):
         return
     log = root / f"logs/sft_seed{seed}.log"
     t0 = time.time()
@@ -290,9 +362,7 @@ def ensure_run(root: Path, seed: int, arm: str, arms: dict, steps: Optional[int]
     out = run_dir(root, seed, arm)
     if (out / DONE).is_file():
         return
-    if out.exists():
-        shutil.rmtree(out)  # an interrupted run starts over: every arm's record is one uninterrupted process
-    out.mkdir(parents=True)
+    prepare_for_restart(out)   # resumed from its last checkpoint, else started over
     cmd = run_command(root, seed, arm, arms, steps)
     t0 = time.time()
     rc = _run_logged(cmd, out / "train.log")
@@ -320,7 +390,7 @@ class Job:
     def start(self, gpu: Optional[str], limit_s: float) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.gpu, self.limit, self.t0 = gpu, limit_s, time.time()
-        f = open(self.log, "w")
+        f = open(self.log, "a")   # a resumed run's log keeps what its earlier processes wrote
         f.write(f"# CUDA_VISIBLE_DEVICES={gpu} limit {limit_s:.0f} s\n" + " ".join(self.cmd) + "\n")
         f.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=child_env(gpu),
@@ -354,6 +424,25 @@ class Job:
     @property
     def wall(self) -> float:
         return time.time() - self.t0
+
+
+def resumable(out: Path) -> bool:
+    """A run cut earlier (a deadline, a failure) with a committed checkpoint: `qrl train` resumes it from there,
+    and its metrics stream continues with every step exactly once (docs/metrics.md "Resume")."""
+    from megatron_qrl.run_dir import complete_checkpoints
+
+    return not (out / DONE).is_file() and bool(complete_checkpoints(out))
+
+
+def prepare_for_restart(out: Path) -> None:
+    """Before a run's process starts: a resumable run keeps its directory (its UNFINISHED mark goes); any other
+    unfinished one starts over from an empty directory."""
+    if resumable(out):
+        (out / UNFINISHED).unlink(missing_ok=True)
+        return
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
 
 
 def pick_gpu(gpus: Sequence[str], running: Sequence[Job]) -> Optional[str]:
@@ -395,10 +484,11 @@ def run_parallel(root: Path, seeds: Sequence[int], arms: dict, chosen: Sequence[
         queue.append(Job(f"smoke {arm}", smoke_command(root, arm, arms, smoke_steps), root / f"logs/smoke_{arm}.log",
                          "smoke", out=out))
     for seed in seeds:
-        if not (sft_dir(root, seed) / "sft_eval.json").is_file():
+        redo_orphaned_seed(root, seed, chosen)
+        if not sft_ready(root, seed) and not seed_done(root, seed, chosen):
             queue.append(Job(f"sft seed {seed}", sft_command(root, seed, sft_opts), root / f"logs/sft_seed{seed}.log",
                              "sft", seed))
-    sft_ok = {seed for seed in seeds if (sft_dir(root, seed) / "sft_eval.json").is_file()}
+    sft_ok = {seed for seed in seeds if sft_ready(root, seed)}
     waiting = {seed: [arm for arm in chosen if not (run_dir(root, seed, arm) / DONE).is_file()] for seed in seeds}
     running: list[Job] = []
     summary: dict = {"jobs": [], "smoke_failed": False}
@@ -406,9 +496,7 @@ def run_parallel(root: Path, seeds: Sequence[int], arms: dict, chosen: Sequence[
     def release(seed: int) -> None:
         for arm in waiting.pop(seed, []):
             out = run_dir(root, seed, arm)
-            if out.exists():
-                shutil.rmtree(out)
-            out.mkdir(parents=True)
+            prepare_for_restart(out)
             queue.append(Job(f"seed {seed} {arm}", run_command(root, seed, arm, arms, steps), out / "train.log",
                              "run", seed, out))
 
@@ -545,8 +633,8 @@ def summarize_run(records: list[dict], last_n: int, upto: Optional[int] = None) 
            "final_eval": evals[max(evals)] if evals else math.nan,
            "reward_last": sum(rewards[-last_n:]) / len(rewards[-last_n:]) if rewards else math.nan,
            "reward": {int(r["step"]): float(r["reward/mean"]) for r in records if finite([r.get("reward/mean")])},
-           "mismatch": {int(r["step"]): float(r["mismatch/logp_abs_diff"]) for r in records
-                        if finite([r.get("mismatch/logp_abs_diff")])}}
+           **{name: {int(r["step"]): float(r[key]) for r in records if finite([r.get(key)])}
+              for name, key in CURVES.items()}}
     for key, _ in RUN_MEANS:
         vals = step_walls(records) if key == "step_wall_s" else finite(r.get(key) for r in records)
         out[key] = sum(vals) / len(vals) if vals else math.nan
@@ -818,13 +906,25 @@ def write_outputs(root: Path, out_dir: Path, arms: dict, seeds: Sequence[int], l
 
 
 # --------------------------------------------------------------------------------------------- CLI
+# --cpu: every arm for 2 RL steps from a 10-step SFT on the CPU, through the same commands as the GPU campaign
+CPU_FP32 = ("trainer.bf16=false", "trainer.use_distributed_optimizer=false")   # a GPU config on the CPU
+CPU_SMOKE = CPU_FP32 + ("run.sft_steps=10", "run.total_steps=2", "run.eval_every=2", "data.eval_size=16",
+                        "run.checkpoint_every=1")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    global BASE
+    global BASE, ARMS, SETS, _CUDA
     p = argparse.ArgumentParser(prog="tools/evidence.py", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["run", "aggregate", "sft", "init-hash", "check-init", "step-table"])
+    p.add_argument("command", choices=["run", "aggregate", "sft", "init-hash", "check-init", "step-table", "report",
+                                       "archive"])
     p.add_argument("--root", default=str(REPO / "runs/evidence"))
     p.add_argument("--out", default=str(REPO / "docs/figures/evidence"))
     p.add_argument("--base", default=str(BASE), help="the shared config (default configs/evidence/base.yaml)")
+    p.add_argument("--arms-file", default=str(ARMS), help="the arms (default configs/evidence/arms.yaml)")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="dotted overrides for every process of the campaign (SFT, runs, smoke), before the arm's")
+    p.add_argument("--cpu", action="store_true", help="CPU smoke: no GPU, " + " ".join(CPU_SMOKE))
+    p.add_argument("--dest", default=str(REPO / "runs/evidence_gpu"), help="archive: where the records go")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", nargs="+", default=None, help="subset of configs/evidence/arms.yaml (default all)")
@@ -853,8 +953,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                           "runs over the steps every one of them reached")
     g.add_argument("--min-steps", type=int, default=5, help="with --partial: leave out runs with fewer steps")
     a = p.parse_args(argv)
-    BASE = Path(a.base).resolve()
-    root, arms = Path(a.root), load_arms()
+    BASE, ARMS = Path(a.base).resolve(), Path(a.arms_file).resolve()
+    SETS = [*(CPU_SMOKE if a.cpu else ()), *a.set]
+    if a.cpu:
+        os.environ["QRL_EVIDENCE_CUDA"] = "0"   # children too
+        _CUDA = False
+    root, arms = Path(a.root), load_arms(ARMS)
     chosen = {k: arms[k] for k in (a.arms or arms)}
     sft_opts = [o for flag, v in (("--sft-target", a.sft_target), ("--sft-chunk", a.sft_chunk),
                                   ("--sft-time", a.sft_time)) if v is not None for o in (flag, str(v))]
@@ -876,9 +980,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 3
         print(write_outputs(root, Path(a.out), chosen, a.seeds, a.last_n, partial=a.partial,
                             min_steps=a.min_steps))
+    elif a.command == "report":
+        import evidence_report
+
+        print(evidence_report.write_report(root, Path(a.out), chosen, a.seeds, a.last_n, a.partial, a.min_steps))
+    elif a.command == "archive":
+        import evidence_report
+
+        files = evidence_report.archive(root, Path(a.dest), list(chosen), a.seeds)
+        print(f"{len(files)} files, {sum(f.stat().st_size for f in files)} bytes -> {a.dest}")
     elif a.command == "run":
         for seed in a.seeds:
-            ensure_sft(root, seed, sft_opts)
+            redo_orphaned_seed(root, seed, list(chosen))
+            if not seed_done(root, seed, list(chosen)):
+                ensure_sft(root, seed, sft_opts)
             for arm in chosen:
                 ensure_run(root, seed, arm, arms, a.steps)
         print(write_outputs(root, Path(a.out), chosen, a.seeds, a.last_n))

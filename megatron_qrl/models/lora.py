@@ -99,6 +99,18 @@ class _LoRAMixin:
         self.register_buffer("base_scales", scales.contiguous().view(torch.uint8))
         self.register_buffer("base_global_scale", gs_bytes)
 
+    def load_full_weight(self, w: torch.Tensor) -> None:
+        """Converting load: the frozen base becomes `w` (this rank's shard of a full-precision weight), packed
+        exactly as if the linear had been built with it; the adapters are left as they are."""
+        if self.base_format not in FP4_FORMATS:
+            with torch.no_grad():
+                self.weight.copy_(w)
+            return
+        self.weight = torch.nn.Parameter(w.detach().to(self.base_packed.device, torch.float32).clone(),
+                                         requires_grad=False)
+        self._pack_base()
+        self._base_cache = self._kernel_cache = None
+
     def base_tensors(self) -> dict[str, torch.Tensor]:
         """The frozen base in its stored form (what the engine shares and what the base hash covers)."""
         if self.base_format in FP4_FORMATS:
@@ -322,6 +334,33 @@ def prepare_lora_model(chunks: list, cfg) -> None:
         for name, p in chunk.named_parameters():
             train = name.rsplit(".", 1)[-1] in ADAPTERS or (cfg.lora.train_norms and id(p) in norm_weights)
             p.requires_grad_(train)
+
+
+def load_full_state(chunks: list, state: dict) -> list[str]:
+    """A full-weight model's state dict (`name -> tensor`, this rank's shards; e.g. an SFT checkpoint loaded
+    into a full-weight trainer) into a LoRA model: every LoRA linear's frozen base is packed from its
+    `<name>.weight`, every other tensor of the same name and shape is copied; adapters keep their init (B = 0:
+    the model starts as the FP4 base). Returns the LoRA model's tensors it found nothing for (ideally only the
+    adapters)."""
+    missing = []
+    for chunk in chunks:
+        linears = {name: m for name, m in chunk.named_modules() if isinstance(m, _LoRAMixin)}
+        for name, lin in linears.items():
+            if f"{name}.weight" not in state:
+                raise KeyError(f"the full-weight state has no '{name}.weight' for the LoRA base of {name}: load a "
+                               "checkpoint of the same model (model.* sizes) without lora.enabled")
+            lin.load_full_weight(state[f"{name}.weight"])
+        owned = {f"{n}.{b}" for n in linears for b in BASE_BUFFERS + ("weight",)}
+        with torch.no_grad():
+            for name, t in chunk.state_dict(keep_vars=True).items():
+                if name in owned or not torch.is_tensor(t):
+                    continue
+                src = state.get(name)
+                if src is None or tuple(src.shape) != tuple(t.shape):
+                    missing.append(name)
+                else:
+                    t.copy_(src)
+    return missing
 
 
 def configure_engine_linear(lin: _LoRAMixin, cfg) -> QuantSettings:

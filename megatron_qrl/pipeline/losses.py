@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_qrl.rl import policy_loss
+from megatron_qrl.rl.entropy import masked_token_mean
 from megatron_qrl.rl.loss_agg import check_mode, token_coefficients
 
 
@@ -32,7 +33,8 @@ def loss_normaliser(mode: str):
 def grpo_loss(rl_cfg):
     """Clipped GRPO objective weighted by the per-token IS weights carried in the batch, normalised as
     rl.loss_agg_mode says, plus rl.kl_coef * KL to the reference when the batch carries logp_ref
-    (rl.kl_mode=loss; pipeline/reference_kl.py puts it there)."""
+    (rl.kl_mode=loss; pipeline/reference_kl.py puts it there). With the trainer's per-token policy entropy in
+    mb['policy_entropy'] it also reports `policy/entropy`, its global token mean over the response tokens."""
     normalise = loss_normaliser(rl_cfg.loss_agg_mode)
     kl_coef = rl_cfg.kl_coef if rl_cfg.kl_mode == "loss" else 0.0
 
@@ -47,6 +49,9 @@ def grpo_loss(rl_cfg):
                "train/ratio_mean": stats["pg/ratio_mean"] * share}
         if "pg/kl_loss" in stats:
             out["train/kl_loss"] = stats["pg/kl_loss"] * share
+        if mb.get("policy_entropy") is not None:   # the trainer's EntropyProbe (last pipeline stage)
+            out["policy/entropy"] = masked_token_mean(mb["policy_entropy"].to(logp_new.device), mb["loss_mask"],
+                                                      mb["num_global_tokens"])
         return loss, out
 
     return loss_fn

@@ -41,6 +41,7 @@ from megatron_qrl.platform import Layout, device, init_distributed, trainer_grou
 
 from . import checkpoint as ckpt
 from .batch import ShardedBatch, replay_ids_for_router, shard, token_logprobs
+from .entropy_probe import EntropyProbe
 from .optim import build_optimizer, build_scheduler, use_distributed_optimizer
 
 LossFn = Callable[[torch.Tensor, dict], tuple]
@@ -70,6 +71,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
         self.routers = r3_routers(self.model)
+        self.entropy = EntropyProbe(chunks)   # policy/entropy of the update pass (mb['policy_entropy'])
 
     # ------------------------------------------------------------------ layout helpers
     @property
@@ -128,6 +130,7 @@ class Trainer:
             tokens = mb["tokens"]
             labels = torch.roll(tokens, shifts=-1, dims=1)
             output = model(tokens, mb["position_ids"], None, labels=labels)
+            mb["policy_entropy"] = self.entropy.take()
             return output, partial(self._loss_func, mb, loss_fn)
 
         return forward_step
@@ -192,7 +195,11 @@ class Trainer:
         # plain sum (num_tokens=None), so the division happens here. Net effect: Megatron's usual mean of
         # the aux loss over micro-batches and data-parallel ranks.
         self.config.moe_grad_scale_func = lambda n=float(sb.padded_size * sb.padded_seq_len): 1.0 / n
-        out = self._run(sb, loss_fn, forward_only=False)
+        self.entropy.armed = True
+        try:
+            out = self._run(sb, loss_fn, forward_only=False)
+        finally:
+            self.entropy.armed = False
         finalize_model_grads(self.model, num_tokens=None)
         ok, grad_norm, _ = self.optimizer.step()
         weights_changed()   # bf16 optimizers write the params through .data: drop the cached FP4 weights
