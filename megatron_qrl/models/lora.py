@@ -165,7 +165,8 @@ class _LoRAMixin:
             from megatron_qrl.kernels.w4a16_gemm import select_config, w4a16_gemm
 
             m = x.numel() // x.shape[-1]
-            if prepared.k % select_config(prepared, m, x.device).block_k == 0:
+            k_step = getattr(select_config(prepared, m, x.device), "block_k", None)   # only the wgmma GEMM has one
+            if k_step is None or prepared.k % k_step == 0:
                 return w4a16_gemm(x, prepared)
         return torch.matmul(x, self.base_weight(x.dtype).t())
 
