@@ -116,6 +116,13 @@ def _is_distributed(optimizer) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _saves_optimizer(trainer) -> bool:
+    """Megatron's distributed optimizer has no state before its first step (its state_dict asserts on it),
+    and a never-stepped optimizer has nothing to restore: such a checkpoint (e.g. a converted start at
+    step 0) holds the model only and says so in its manifest. trainer.step is the same on every rank."""
+    return trainer.step > 0 or not _is_distributed(trainer.optimizer)
+
+
 def _adam_step(optimizer) -> int:
     steps = [int(st["step"]) for opt in _torch_optimizers(optimizer) for st in opt.state.values() if "step" in st]
     return max(steps, default=0)
@@ -278,7 +285,7 @@ def save(trainer, path: str | Path, extra_state: dict) -> str:
 
     state = {}  # trainer=None: an engine rank of a disaggregated job, joining the collective with nothing
     if trainer is not None:
-        state = _sharded_state(trainer, is_loading=False, with_optimizer=True, with_rng=True)
+        state = _sharded_state(trainer, is_loading=False, with_optimizer=_saves_optimizer(trainer), with_rng=True)
         state["scheduler"] = trainer.scheduler.state_dict()
         state["step"] = trainer.step
         state["optimizer_step"] = _adam_step(trainer.optimizer)
@@ -297,6 +304,7 @@ def save(trainer, path: str | Path, extra_state: dict) -> str:
         import megatron.core
 
         manifest = {"format": FORMAT, "megatron_core": megatron.core.__version__, "step": trainer.step,
+                    "optimizer_state": _saves_optimizer(trainer),
                     "layout": _layout_dict(trainer), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "model": trainer.cfg.model.model_dump(), "quant": trainer.cfg.quant.model_dump(),
                     "files": names[0], "checksums": checksums}
@@ -329,6 +337,7 @@ def load(trainer, path: str | Path, load_optimizer: bool = True) -> dict:
         raise CheckpointError(f"checkpoint '{path}' was saved for a different model ({', '.join(diff)} differ); "
                               "load it with the config it was saved with")
     same_layout = manifest["layout"] == _layout_dict(trainer)
+    load_optimizer = load_optimizer and manifest.get("optimizer_state", True)   # none saved: a fresh optimizer
     state = _sharded_state(trainer, is_loading=True, with_optimizer=load_optimizer, with_rng=same_layout)
     loaded = dist_checkpointing.load(state, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"], strict=True)
