@@ -92,3 +92,29 @@ def test_trainer_update_pass_logs_the_entropy_of_its_logits():
     stats = tr.train_step(batch, grpo_loss(RLConfig(is_method="none")))
     assert stats["policy/entropy"] == pytest.approx(want, rel=1e-5)   # summed over 2 micro-batches (+ padding)
     assert tr.entropy.take() is None and not tr.entropy.armed
+
+
+def test_entropy_probe_hooks_through_precision_and_ddp_wrappers(monkeypatch):
+    """The trainer wraps its chunks (Float16Module under bf16, then DDP): the probe must still find the output
+    layer (on the H200 runs it did not, and policy/entropy was missing from every GPU run's metrics)."""
+    from megatron_qrl.trainer import entropy_probe
+    from megatron_qrl.trainer.entropy_probe import EntropyProbe
+
+    monkeypatch.setattr(entropy_probe.ps, "get_tensor_model_parallel_group", lambda: None)   # one rank, no TP
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.output_layer = torch.nn.Linear(4, 6, bias=False)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = Model()
+    probe = EntropyProbe([Wrapper(Wrapper(model))])
+    probe.armed = True
+    model.output_layer(torch.randn(3, 2, 4))          # [s, b, h] -> logits [s, b, V]
+    h = probe.take()
+    assert h is not None and h.shape == (2, 3) and torch.all(h[:, 1:] > 0)

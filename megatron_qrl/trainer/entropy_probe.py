@@ -18,7 +18,10 @@ class EntropyProbe:
     def __init__(self, chunks: list):
         self.armed = False
         self._last: Optional[torch.Tensor] = None
-        layer = getattr(chunks[-1], "output_layer", None) if chunks else None
+        model = chunks[-1] if chunks else None
+        while model is not None and not hasattr(model, "output_layer"):   # Float16Module / DDP wrappers
+            model = getattr(model, "module", None)
+        layer = getattr(model, "output_layer", None)
         if layer is not None:
             layer.register_forward_hook(self._hook)
 

@@ -71,7 +71,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
         self.routers = r3_routers(self.model)
-        self.entropy = EntropyProbe(chunks)   # policy/entropy of the update pass (mb['policy_entropy'])
+        self.entropy = EntropyProbe(self.unwrapped)   # policy/entropy of the update pass (mb['policy_entropy'])
 
     # ------------------------------------------------------------------ layout helpers
     @property
