@@ -15,8 +15,17 @@ Layout under --root (default runs/evidence): `sft_seed{k}/` holds the seed's SFT
 seed's SFT checkpoint with run.init_checkpoint and run.sft_steps=0, so the arms of one seed share their
 starting weights exactly (`check-init` hashes them per arm, also after one zero-gradient optimizer step).
 Runs go one at a time (or --parallel N at once), each in its own process; a finished run (DONE present) is
-skipped, an unfinished one is started again from scratch. A run stopped by its time limit or a failure keeps
-its metrics and gets UNFINISHED instead of DONE.
+skipped, an unfinished one with a committed checkpoint resumes from it (`qrl train`'s resume; the metrics
+stream keeps every step once), any other unfinished one starts again from scratch. A run stopped by its time
+limit or a failure keeps its metrics and gets UNFINISHED instead of DONE. A seed whose records are there but
+whose SFT checkpoint is not (a fresh machine) is redone whole when one of its arms still has to run.
+
+The GPU-scale campaign (docs/RESULTS.md "FP4 RL arms at GPU scale (plan)", tools/gpu_evidence_h200.sh):
+`--base configs/evidence/gpu_base.yaml --arms-file configs/evidence/gpu_arms.yaml`; its QeRL arm (lora.enabled)
+starts from `sft_seed{k}/lora_checkpoints/step_000000`, which `sft` converts from the SFT weights. `--set
+KEY=VALUE ...` adds overrides to every process; `--cpu` is the CPU smoke (fp32, 10 SFT steps, 2 RL steps).
+`report` writes the campaign's tables with paired 95% intervals (tools/evidence_report.py), `archive` copies the
+small records (metrics.jsonl, config.yaml, markers, sft_eval.json) for the repository.
 """
 from __future__ import annotations
 
@@ -223,6 +232,7 @@ def job_sft(root: Path, seed: int, target: Optional[float] = None, chunk: int = 
               "sft_target": target, "sft_log": sft_log, "weights_sha256": weights_digest(s.trainer)}
     bf16_cfg = cfg.model_copy(deep=True)
     bf16_cfg.rollout.weights, bf16_cfg.trace.enabled = "bf16", False
+    bf16_cfg.rollout.kv_cache = "bf16"   # the BF16 reference engine is full precision throughout (its arm's KV too)
     for name, c, engine in (("nvfp4", cfg, s.engine_ready()), ("bf16", bf16_cfg, EmbeddedEngine(bf16_cfg))):
         sync_weights(engine, s.trainer, c, step=0, version=0)
         ev = evaluate(engine, s.tokenizer, s.eval_set, cfg.rollout.max_new_tokens, s.reward_fn,

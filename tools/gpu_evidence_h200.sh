@@ -33,7 +33,7 @@ echo "campaign rc=$rc"; date -u
 ALL=$(ls -d "$ROOT"/seed* 2>/dev/null | sed 's/.*seed//' | sort -n | tr '\n' ' ')
 $EV report --root "$ROOT" --out "$OUT/figures" --seeds $ALL --partial --min-steps 5 > "$OUT/report.log" 2>&1
 $EV archive --root "$ROOT" --dest "$OUT/records" --seeds $ALL >> "$OUT/report.log" 2>&1
-tar czf "$OUT/records.tgz" -C "$OUT" records figures && rm -rf "$OUT/records" "$OUT/figures"
+( cd "$OUT" && tar czf records.tgz $(ls -d records figures 2>/dev/null) ); rm -rf "$OUT/records" "$OUT/figures"
 find "$ROOT" -name train.log -o -name 'sft_seed*.log' -o -name 'smoke_*.log' | tar czf "$OUT/logs.tgz" -T -
 cat "$OUT/report.log"; ls -la "$OUT"
 exit $rc
