@@ -55,7 +55,7 @@ def quant_dequant(x: torch.Tensor, fmt: str = "nvfp4", rounding: str = "nearest"
         return f.guided(x, guide, fallback_shift=fallback_shift, stats=stats)[0]
     if f is not None and rounding == "nearest":
         return f.fake_quant(x, global_scale)[0]
-    from megatron_qrl.quant.fake_quant import quant_dequant as ref
+    from megatron_qrl.quant.qat import quant_dequant as ref
     return ref(x, fmt, rounding, guide, global_scale, generator, fallback_shift, stats)
 
 

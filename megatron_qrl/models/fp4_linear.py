@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_qrl.quant.fake_quant import GuidedRounding
+from megatron_qrl.quant.qat import GuidedRounding
 from megatron_qrl.quant.formats import FP4_FORMATS, fp4_format, uses_kernels
 from megatron_qrl.quant.nvfp4 import nvfp4_global_scale
 from megatron_qrl.quant.sites import site_name

@@ -2,19 +2,20 @@
 
 - formats.py: the format objects (`fp4_format`, NVFP4, MXFP4: block size, quantize, fake_quant, guided),
   each call dispatched once to the Triton codec or the torch reference;
-- nvfp4.py, mxfp4.py, e2m1.py, fake_quant.py: the torch reference codec (the definition of the bytes);
+- nvfp4.py, mxfp4.py, e2m1.py, qat.py: the torch reference codec (the definition of the bytes);
 - wire.py, digest.py: the wire format of weight syncs and exports (FP4Tensor, packing, payload digests);
 - blocks.py: the block sizes; sites.py: the names of quantized activation sites (both torch-free).
 
 Names are imported lazily (PEP 562): `megatron_qrl.quant.blocks` and `.sites` load without torch, and no
-submodule imports this package's namespace (no cycle through __init__).
+submodule imports this package's namespace (no cycle through __init__). No exported name may equal a
+submodule's name (importing the submodule would bind the module over it).
 """
 from importlib import import_module
 
 _MODULES = {
     "e2m1": ("E2M1_VALUES", "canonical", "code_values", "mantissa_bits", "pack_bits", "pack_nibbles",
              "round_guided", "round_nearest", "round_stochastic", "unpack_bits", "unpack_nibbles"),
-    "fake_quant": ("GuidedRounding", "fake_quant", "quant_dequant"),
+    "qat": ("GuidedRounding", "fake_quant", "quant_dequant"),
     "formats": ("FP4_FORMATS", "MXFP4", "NVFP4", "Encoding", "FP4Format", "fp4_format"),
     "blocks": ("BLOCK_SIZES", "block_size"),
     "mxfp4": ("mxfp4_dequantize", "mxfp4_quantize"),
@@ -26,6 +27,7 @@ _MODULES = {
              "payload_digests", "payload_nbytes"),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+assert not set(_EXPORTS) & set(_MODULES), "an exported name shadows a submodule"
 
 __all__ = sorted(_EXPORTS)
 
