@@ -23,8 +23,8 @@ validates it); what couples shards is the per-tensor FP32 global scale (NVFP4), 
   micro-batches meet at an expert, so W4A4 expert activations then differ slightly from a single
   process. TRACE guides carry the rollout's scales and remove this dependence for guided sites.
 
-Activation sites have stable names (see `site_name`): "L{layer}.{role}" or "L{layer}.{role}.E{expert}",
-with the global 0-based layer index and global expert index. A guide provider
+Activation sites have stable names (`site_name`, megatron_qrl/quant/sites.py): "L{layer}.{role}" or
+"L{layer}.{role}.E{expert}", with the global 0-based layer index and global expert index. A guide provider
 (`set_guide_provider`) may return a `GuidedRounding` for a site and micro-batch (TRACE replay); a
 capture sink (`capture_activations`) receives the codes/bits/scales each site used.
 """
@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_qrl.quant.qat import GuidedRounding
 from megatron_qrl.quant.formats import FP4_FORMATS, fp4_format, uses_kernels
 from megatron_qrl.quant.nvfp4 import nvfp4_global_scale
-from megatron_qrl.quant.sites import site_name
+from megatron_qrl.quant.qat import GuidedRounding
+from megatron_qrl.quant.sites import site_name  # noqa: F401  (models.site_name, the builder of site names)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from .blocks import MXFP4_BLOCK as BLOCK
 from .validate import check_input, check_packed
 
 
-
 def mxfp4_block_exponents(x: torch.Tensor) -> torch.Tensor:
     """int32 [..., K/32]: the unbiased shared exponent of each block."""
     blocks = x.detach().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)

@@ -18,6 +18,7 @@ import torch
 from .digest import DEFAULT_DIGEST, combine, tensor_digests
 from .formats import FP4_FORMATS, fp4_format
 from .nvfp4 import nvfp4_global_scale
+
 PACK_CHUNK_ELEMENTS = 1 << 28      # elements stacked per launch in pack_weights (bounds the extra memory)
 
 
