@@ -100,7 +100,7 @@ class FP4Format:
             if self.has_global_scale and gs is None and capture:
                 gs = nvfp4_global_scale(x)
             if _kernels(x, kernels):
-                from megatron_qrl.kernels import fp4_fake_quant as fq
+                import megatron_qrl.kernels.fp4_fake_quant as fq
 
                 if capture:
                     deq, packed, scales, bits = fq.fp4_fake_quant_capture_triton(x, self.name, gs)
@@ -118,7 +118,7 @@ class FP4Format:
         GuidedRounding), no gradient; fallbacks counted in `stats`. Capture runs on the reference."""
         with torch.no_grad():
             if not capture and _kernels(x, kernels):
-                from megatron_qrl.kernels import fp4_fake_quant as fq
+                import megatron_qrl.kernels.fp4_fake_quant as fq
 
                 if self.has_global_scale:
                     return fq.nvfp4_fake_quant_triton(x, guide, fallback_shift=fallback_shift, stats=stats,
