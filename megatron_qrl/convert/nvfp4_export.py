@@ -20,6 +20,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from megatron_qrl.quant.blocks import NVFP4_BLOCK as GROUP_SIZE
+
 from . import qwen3_moe
 from .calibration import activation_amax, fixed_amax, random_tokens, read_calibration_tokens
 from .hf_config import copy_side_files, output_config, with_dtype
@@ -28,7 +30,6 @@ from .export_hf import (DTYPES, checkpoint_config, dtype_name, load_checkpoint_m
                         write_hf_tensors)
 from .staging import require_new_output, staged_output
 
-GROUP_SIZE = 16
 FP4_MAX, E4M3_MAX = 6.0, 448.0
 
 
