@@ -3,54 +3,21 @@
 FP4 codec (fp4_quant.py, fp4_fake_quant.py): NVFP4/MXFP4 quantize with TRACE capture and fused
 nearest/guided fake quantization, byte-for-byte equal to megatron_qrl/quant.
 
-The entry points below keep the reference's signatures and pick the implementation per call:
-Triton for CUDA tensors when `available()`, the torch reference otherwise (CPU tensors, stochastic
-rounding, guided *quantization* to codes, which only the reference implements). QRL_KERNELS=torch forces the
-reference; QRL_KERNELS=triton also sends CPU tensors to the kernels when TRITON_INTERPRET=1 (tests).
+Which implementation runs is decided in one place, `backend.use_triton` (re-exported here): Triton for CUDA
+tensors when `available()`, the torch reference otherwise. QRL_KERNELS=torch forces the reference;
+QRL_KERNELS=triton also sends CPU tensors to the kernels when TRITON_INTERPRET=1 (tests). The FP4 codec
+entry points below keep the reference's signatures and go through the format objects of
+megatron_qrl.quant.formats, which make that choice per call (stochastic rounding and guided quantization to
+codes run on the reference only). `prepare_weight` is the registry of W4A16 weight layouts per format.
 Triton is imported lazily: this module imports without it.
 """
 from __future__ import annotations
 
-import os
-from importlib.util import find_spec
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-_FORMATS = ("nvfp4", "mxfp4")
-
-
-def interpreter_enabled() -> bool:
-    """TRITON_INTERPRET=1: Triton kernels run on the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
-
-def available() -> bool:
-    """Triton is importable and can run here: a CUDA device, or TRITON_INTERPRET=1."""
-    if find_spec("triton") is None:
-        return False
-    try:
-        import triton  # noqa: F401
-    except Exception:  # a broken install counts as absent
-        return False
-    return interpreter_enabled() or torch.cuda.is_available()
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the codec entry points send `x` to the Triton kernels (QRL_KERNELS=auto|torch|triton)."""
-    mode = os.environ.get("QRL_KERNELS", "auto").lower()
-    if mode not in ("auto", "torch", "triton"):
-        raise ValueError(f"QRL_KERNELS={mode!r}: use auto, torch or triton")
-    if mode == "torch":
-        return False
-    if not available():
-        if mode == "triton":
-            raise RuntimeError("QRL_KERNELS=triton but Triton cannot run here: install triton and use a CUDA "
-                               "device, or set TRITON_INTERPRET=1 for the CPU interpreter")
-        return False
-    if x.is_cuda:
-        return True
-    return mode == "triton" and interpreter_enabled()
+from .backend import available, interpreter_enabled, use_triton
 
 
 def nvfp4_quantize(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None, rounding: str = "nearest",
@@ -58,12 +25,11 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
                    capture: bool = False, generator: Optional[torch.Generator] = None,
                    fallback_shift: float = 0.25, stats: Optional[dict] = None):
     """`megatron_qrl.quant.nvfp4_quantize` with the Triton kernel for nearest rounding (same bytes)."""
-    if rounding == "nearest" and scales is None and use_triton(x):
-        from .fp4_quant import nvfp4_quantize_triton
-        return nvfp4_quantize_triton(x, global_scale, capture)
-    from megatron_qrl.quant.nvfp4 import nvfp4_quantize as ref
-    return ref(x, global_scale, rounding, scales=scales, trace_bits=trace_bits, capture=capture,
-               generator=generator, fallback_shift=fallback_shift, stats=stats)
+    from megatron_qrl.quant.formats import NVFP4
+
+    enc = NVFP4.quantize(x, rounding, global_scale=global_scale, scales=scales, trace_bits=trace_bits,
+                         capture=capture, generator=generator, fallback_shift=fallback_shift, stats=stats)
+    return tuple(enc) if capture else tuple(enc[:3])
 
 
 def mxfp4_quantize(x: torch.Tensor, rounding: str = "nearest", *, scales: Optional[torch.Tensor] = None,
@@ -71,27 +37,25 @@ def mxfp4_quantize(x: torch.Tensor, rounding: str = "nearest", *, scales: Option
                    generator: Optional[torch.Generator] = None, fallback_shift: float = 0.25,
                    stats: Optional[dict] = None):
     """`megatron_qrl.quant.mxfp4_quantize` with the Triton kernel for nearest rounding (same bytes)."""
-    if rounding == "nearest" and scales is None and use_triton(x):
-        from .fp4_quant import mxfp4_quantize_triton
-        return mxfp4_quantize_triton(x, capture)
-    from megatron_qrl.quant.mxfp4 import mxfp4_quantize as ref
-    return ref(x, rounding, scales=scales, trace_bits=trace_bits, capture=capture, generator=generator,
-               fallback_shift=fallback_shift, stats=stats)
+    from megatron_qrl.quant.formats import MXFP4
+
+    enc = MXFP4.quantize(x, rounding, scales=scales, trace_bits=trace_bits, capture=capture, generator=generator,
+                         fallback_shift=fallback_shift, stats=stats)
+    return (enc.packed, enc.scales, enc.bits) if capture else (enc.packed, enc.scales)
 
 
 def quant_dequant(x: torch.Tensor, fmt: str = "nvfp4", rounding: str = "nearest", guide=None,
                   global_scale: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
                   fallback_shift: float = 0.25, stats: Optional[dict] = None) -> torch.Tensor:
     """`megatron_qrl.quant.quant_dequant` with the fused kernel for nearest and guided rounding."""
-    if fmt in _FORMATS and (rounding == "nearest" or guide is not None) and use_triton(x):
-        from .fp4_fake_quant import mxfp4_fake_quant_triton, nvfp4_fake_quant_triton
-        with torch.no_grad():
-            if fmt == "nvfp4":
-                if guide is not None:
-                    return nvfp4_fake_quant_triton(x, guide, fallback_shift=fallback_shift, stats=stats)
-                return nvfp4_fake_quant_triton(x, None, global_scale)
-            return mxfp4_fake_quant_triton(x, guide, fallback_shift, stats=stats)
-    from megatron_qrl.quant.fake_quant import quant_dequant as ref
+    from megatron_qrl.quant.formats import FORMATS
+
+    f = FORMATS.get(fmt)
+    if f is not None and guide is not None:
+        return f.guided(x, guide, fallback_shift=fallback_shift, stats=stats)[0]
+    if f is not None and rounding == "nearest":
+        return f.fake_quant(x, global_scale)[0]
+    from megatron_qrl.quant.qat import quant_dequant as ref
     return ref(x, fmt, rounding, guide, global_scale, generator, fallback_shift, stats)
 
 
@@ -103,5 +67,31 @@ def fake_quant(x: torch.Tensor, fmt: str = "nvfp4", rounding: str = "nearest", g
     return x + (q - x).detach()
 
 
-__all__ = ["available", "interpreter_enabled", "use_triton", "nvfp4_quantize", "mxfp4_quantize",
-           "quant_dequant", "fake_quant"]
+# --------------------------------------------------------------------------- W4A16 weight layouts
+def _prepare_nvfp4(packed, scales, global_scale):
+    from .layouts import prepare_nvfp4_weight
+
+    return prepare_nvfp4_weight(packed, scales, global_scale)
+
+
+def _prepare_mxfp4(packed, scales, global_scale):
+    from .layouts import prepare_mxfp4_weight
+
+    return prepare_mxfp4_weight(packed, scales)
+
+
+WEIGHT_LAYOUTS: dict[str, Callable] = {"nvfp4": _prepare_nvfp4, "mxfp4": _prepare_mxfp4}
+
+
+def prepare_weight(fmt: str, packed: torch.Tensor, scales: torch.Tensor,
+                   global_scale: Optional[torch.Tensor] = None):
+    """The W4A16 kernels' PreparedFP4Weight of one synced FP4 weight (packed [N, K/2]) or of a stack of
+    experts ([E, N, K/2], global scales [E]), by format (kernels/layouts.py documents the layouts)."""
+    prepare = WEIGHT_LAYOUTS.get(fmt)
+    if prepare is None:
+        raise ValueError(f"no W4A16 weight layout for format '{fmt}'; use one of {tuple(WEIGHT_LAYOUTS)}")
+    return prepare(packed, scales, global_scale)
+
+
+__all__ = ["WEIGHT_LAYOUTS", "available", "fake_quant", "interpreter_enabled", "mxfp4_quantize", "nvfp4_quantize",
+           "prepare_weight", "quant_dequant", "use_triton"]

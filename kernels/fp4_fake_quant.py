@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_qrl.quant.fake_quant import GuidedRounding
+from megatron_qrl.quant.qat import GuidedRounding
 
 from .fp4_quant import (MXFP4_BLOCK, NVFP4_BLOCK, ROWS_FIRST, _as_blocks, _block_amax, _check_amax_bits,
                         _e2m1_nearest, _e2m1_value, _e4m3_to_f32, _gs_from_amax, _load_global_scale, _load_tile,

@@ -43,9 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-NVFP4_BLOCK = 16
-MXFP4_BLOCK = 32
+from megatron_qrl.quant.blocks import MXFP4_BLOCK, NVFP4_BLOCK
 
 # Tile orientation that makes Triton give each thread whole blocks (see _load_tile): rows first up to 3.6.
 ROWS_FIRST = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)

@@ -37,9 +37,9 @@ from typing import Optional
 
 import torch
 
+from megatron_qrl.quant.blocks import MXFP4_BLOCK, NVFP4_BLOCK
+
 PACK_GROUP = 32          # elements per 16-byte permutation group
-NVFP4_BLOCK = 16
-MXFP4_BLOCK = 32
 # Exponent offsets used by the in-kernel decode: codes decode to value * 2^-14 and E4M3 scales to
 # value * 2^-8 (both through float16 bit patterns), so the folded factor is 2^(14 + 8).
 NVFP4_GLOBAL_FOLD = 2.0 ** 22

@@ -583,15 +583,22 @@ def select_config(w: PreparedFP4Weight, m: int, device, autotune: Optional[bool]
     return cfg
 
 
+# The dense W4A16 kernels by config type: a config names its kernel (one registry, no isinstance chain).
+# Each entry looks its launcher up when called, so a replaced module attribute (a test's stub) is seen.
+LAUNCHERS = {
+    GemvConfig: lambda x2, w, cfg, out: launch_gemv(x2, w, cfg, out, interpret=INTERPRET),
+    MmaGemvConfig: lambda x2, w, cfg, out: launch_mma_gemv(x2, w, cfg, out, interpret=INTERPRET),
+    GluonGemmConfig: lambda x2, w, cfg, out: launch_gluon_gemm(x2, w, cfg, out),
+    GemmConfig: lambda x2, w, cfg, out: launch_w4a16(x2, w, cfg, out),
+}
+
+
 def _launch(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tensor) -> torch.Tensor:
-    """Run a config of any of the three dense kernels."""
-    if isinstance(cfg, GemvConfig):
-        return launch_gemv(x2, w, cfg, out, interpret=INTERPRET)
-    if isinstance(cfg, MmaGemvConfig):
-        return launch_mma_gemv(x2, w, cfg, out, interpret=INTERPRET)
-    if isinstance(cfg, GluonGemmConfig):
-        return launch_gluon_gemm(x2, w, cfg, out)
-    return launch_w4a16(x2, w, cfg, out)
+    """Run a config of any of the dense kernels (LAUNCHERS)."""
+    launch = LAUNCHERS.get(type(cfg))
+    if launch is None:
+        raise TypeError(f"no W4A16 kernel for a {type(cfg).__name__}; use one of {[c.__name__ for c in LAUNCHERS]}")
+    return launch(x2, w, cfg, out)
 
 
 def _launch_default(x2: torch.Tensor, w: PreparedFP4Weight, cfg, out: torch.Tensor) -> torch.Tensor:

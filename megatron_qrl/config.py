@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from megatron_qrl.quant.blocks import block_size
+
 
 class ConfigError(ValueError):
     """An invalid configuration: the message names the field and how to fix it."""
@@ -390,7 +392,7 @@ class QRLConfig(_Section):
         if t.min_lr > t.lr:
             errs.append(f"trainer.min_lr ({t.min_lr}) must be <= trainer.lr ({t.lr})")
         if self.quant.format != "bf16":
-            block = 16 if self.quant.format == "nvfp4" else 32
+            block = block_size(self.quant.format)
             for name, size in [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size",
                                m.moe_ffn_hidden_size), ("model.ffn_hidden_size", m.ffn_hidden_size)]:
                 shard = size // max(1, t.tensor_parallel if name != "model.hidden_size" else 1)
@@ -446,7 +448,7 @@ class QRLConfig(_Section):
             errs.append("lora.enabled shares the frozen base with an in-process embedded engine: set "
                         "rollout.engine=embedded and rollout.placement=colocated")
         if lo.base_format != "bf16":
-            block = 16 if lo.base_format == "nvfp4" else 32
+            block = block_size(lo.base_format)
             m, tp = self.model, self.trainer.tensor_parallel
             for name, size in [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size",
                                m.moe_ffn_hidden_size), ("model.ffn_hidden_size", m.ffn_hidden_size)]:

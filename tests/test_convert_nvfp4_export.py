@@ -52,8 +52,8 @@ def quantized_rules(cfg, targets):
 @pytest.mark.parametrize("targets", ["routed_experts", "all_linears"])
 def test_bytes_equal_weight_sync(setup, targets):
     """Re-fusing the exported q/k/v and gate/up rows gives the exact payloads (and digests) the engine receives."""
-    from megatron_qrl.rollout import EmbeddedEngine, payload_digest
-    from megatron_qrl.rollout.weights import FP4Tensor
+    from megatron_qrl.quant import FP4Tensor, payload_digest
+    from megatron_qrl.rollout import EmbeddedEngine
 
     _, cfg, model, exports = setup
     cfg = cfg.model_copy(update={"quant": cfg.quant.model_copy(update={"targets": targets})})

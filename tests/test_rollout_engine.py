@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from megatron_qrl.config import QRLConfig
-from megatron_qrl.rollout import (EmbeddedEngine, RolloutEngine, SamplingParams, WeightUpdateError,
-                                  payload_digest, tensor_digest)
-from megatron_qrl.quant import canonical, unpack_nibbles
+from megatron_qrl.rollout import EmbeddedEngine, RolloutEngine, SamplingParams, WeightUpdateError
+from megatron_qrl.quant import canonical, payload_digest, tensor_digest, unpack_nibbles
 from megatron_qrl.rollout.capture import guided_requantize
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, num_experts=4,
@@ -182,7 +181,7 @@ def test_wrong_hash_is_refused_and_weights_stay(engine, trainer_model):
 
 
 def test_engine_runs_the_trainers_fp4_bytes(engine, trainer_model):
-    from megatron_qrl.rollout import pack_weight
+    from megatron_qrl.quant import pack_weight
 
     eng = engine()
     assert eng.store.quantized and all("local_experts" in n for n in eng.store.quantized)

@@ -128,7 +128,7 @@ def test_weight_updates_and_release_resume(source_model):
     with torch.no_grad():
         noisy = [(n, p + 0.05 * torch.randn_like(p)) for n, p in source_model.named_parameters()]
     for e in (eager, static):
-        from megatron_qrl.rollout.weights import pack_state
+        from megatron_qrl.quant import pack_state
 
         w, h = pack_state(noisy, e.format, lambda n: n in e.store.quantized)
         e.update_weights(w, 1, h)

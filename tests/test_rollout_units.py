@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron_qrl.rollout import (FP4Tensor, RolloutSample, SamplingParams, WeightUpdateError, pack_weight,
-                                  payload_digest, tensor_digest)
+from megatron_qrl.quant import FP4Tensor, pack_weight, payload_digest, tensor_digest
+from megatron_qrl.rollout import RolloutSample, SamplingParams, WeightUpdateError
 from megatron_qrl.rollout.attention import StepBatch, attend
 from megatron_qrl.rollout.kv_cache import KVCache, quantize_dequantize_kv
 from megatron_qrl.rollout.sampling import filter_logits, policy_logprobs, sample_token, sequence_generator

@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_qrl.config import apply_overrides, from_dict
-from megatron_qrl.rollout import RolloutEngine, SamplingParams, WeightUpdateError, pack_weight
-from megatron_qrl.rollout import payload_digest
+from megatron_qrl.quant import pack_weight, payload_digest
+from megatron_qrl.rollout import RolloutEngine, SamplingParams, WeightUpdateError
 from megatron_qrl.rollout.sglang import (RoutingLayout, SGLangConfigError, SGLangEngine, SGLangResponseError,
                                          TraceUnsupportedError, UnsupportedQuantization, build_sglang_engine,
                                          choose_engine_quantization, generate_request, parse_generate_response)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megatron_qrl.config import apply_overrides, from_dict
-from megatron_qrl.rollout import SamplingParams, pack_weight, payload_digest
+from megatron_qrl.quant import pack_weight, payload_digest
+from megatron_qrl.rollout import SamplingParams
 from megatron_qrl.rollout.sglang import build_sglang_engine, choose_engine_quantization
 from megatron_qrl.rollout.sglang.colocated import ColocatedBackend
 from megatron_qrl.rollout.sglang.custom_loader import (CUSTOM_WEIGHT_LOADERS, END_FP4_UPDATE,

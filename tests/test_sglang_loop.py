@@ -20,7 +20,7 @@ from megatron_qrl.config import load_config
 from megatron_qrl.convert import qwen3_moe
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.rollout.sglang.custom_loader import BEGIN_FP4_UPDATE, CUSTOM_WEIGHT_LOADERS, END_FP4_UPDATE
-from megatron_qrl.rollout.weights import FP4Tensor, payload_digest
+from megatron_qrl.quant import FP4Tensor, payload_digest
 
 OVERRIDES = ["rollout.engine=sglang", "trace.enabled=false", "rollout.sglang_model_path=/ckpt/tiny-nvfp4",
              "run.sft_steps=0", "run.total_steps=2", "run.eval_every=2", "run.checkpoint_every=0",

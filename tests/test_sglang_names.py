@@ -7,7 +7,7 @@ import torch
 
 from megatron_qrl.config import load_config
 from megatron_qrl.convert import qwen3_moe
-from megatron_qrl.rollout.weights import FP4Tensor, pack_weight
+from megatron_qrl.quant import FP4Tensor, pack_weight
 from megatron_qrl.rollout.sglang.names import NameMapError, qwen3_moe_name_map
 
 

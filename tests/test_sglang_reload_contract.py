@@ -258,7 +258,7 @@ def sglang_module_of(hf_name: str, stacked: list[tuple], expert_prefixes: set[st
 def test_every_fp4_tensor_our_name_map_produces_lands_in_a_layer_the_reload_covers(release):
     from megatron_qrl.rollout.sglang.names import qwen3_moe_name_map
     from megatron_qrl.rollout.sglang.wire import wire_tensors
-    from megatron_qrl.rollout.weights import pack_weight
+    from megatron_qrl.quant import pack_weight
 
     qwen = tree(release, "srt/models/qwen3_moe.py")
     load = function(class_node(qwen, "Qwen3MoeForCausalLM"), "load_weights")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_qrl.pipeline.weight_transport import ALIGN, bucket_sizes, manifest
-from megatron_qrl.rollout.weights import pack_weight
+from megatron_qrl.quant import pack_weight
 
 from launch_ranks import run_ranks
 

@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_qrl.config import apply_overrides, from_dict  # noqa: E402
-from megatron_qrl.rollout import FP4Tensor, SamplingParams, pack_weight, payload_digest  # noqa: E402
+from megatron_qrl.quant import FP4Tensor, pack_weight, payload_digest  # noqa: E402
+from megatron_qrl.rollout import SamplingParams  # noqa: E402
 from megatron_qrl.rollout.sglang import RoutingLayout, build_sglang_engine  # noqa: E402
 
 FAILURES = []

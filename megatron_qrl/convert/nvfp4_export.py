@@ -7,7 +7,7 @@ the same choice the weight sync makes: `rollout.embedded.rollout_quantized`):
     X.weight_scale_2  float32 scalar          global scale amax(|W|)/(6*448)
     X.input_scale     float32 scalar          static activation scale amax(|x|)/(6*448) (calibration)
 Everything else (embeddings, norms, router `mlp.gate`, `lm_head`, unquantized linears) stays in --dtype.
-The bytes are `rollout.weights.pack_weight` of the fused Megatron weight - exactly what the trainer's weight
+The bytes are `quant.wire.pack_weight` of the fused Megatron weight - exactly what the trainer's weight
 sync sends - split by rows into HF's q/k/v and gate/up tensors (they share one weight_scale_2, which is what
 fused kernels expect). hf_quant_config.json and config.json["quantization_config"] follow ModelOpt's exporter.
 """
@@ -20,6 +20,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from megatron_qrl.quant.blocks import NVFP4_BLOCK as GROUP_SIZE
+
 from . import qwen3_moe
 from .calibration import activation_amax, fixed_amax, random_tokens, read_calibration_tokens
 from .hf_config import copy_side_files, output_config, with_dtype
@@ -28,7 +30,6 @@ from .export_hf import (DTYPES, checkpoint_config, dtype_name, load_checkpoint_m
                         write_hf_tensors)
 from .staging import require_new_output, staged_output
 
-GROUP_SIZE = 16
 FP4_MAX, E4M3_MAX = 6.0, 448.0
 
 
@@ -56,7 +57,7 @@ def input_scale(amax: float) -> torch.Tensor:
 
 def nvfp4_emitter(m, dtype: torch.dtype, amax: dict):
     """HF tensors of one parameter: NVFP4 (4 tensors per HF linear) when quantized, else plain."""
-    from megatron_qrl.rollout.weights import pack_weight
+    from megatron_qrl.quant.wire import pack_weight
 
     def emit(rule, param):
         if rule.mcore not in amax:

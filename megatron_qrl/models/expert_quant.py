@@ -5,7 +5,7 @@ expert). Blocks run along K, so a row's FP4 encoding depends only on the row and
 scale; giving every row the global scale of its own expert (`row_scales`) makes one launch over all rows
 produce exactly the bytes of one launch per expert (the codec accepts a global scale per row). MXFP4 has
 no global scale at all. The same holds for the stacked expert weights ([E, N, K] -> E*N rows).
-On CUDA the Triton codec (kernels/fp4_fake_quant.py) runs; elsewhere the torch codec (quant/).
+The format objects (quant/formats.py) run the Triton codec on CUDA and the torch codec elsewhere.
 """
 from __future__ import annotations
 
@@ -14,16 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
-from megatron_qrl.quant.nvfp4 import nvfp4_dequantize, nvfp4_global_scales, nvfp4_quantize
-
-
-def _triton_ok(x: torch.Tensor) -> bool:
-    if not x.is_cuda:
-        return False
-    from megatron_qrl.kernels import use_triton
-
-    return use_triton(x)
+from megatron_qrl.quant.formats import FP4_FORMATS, fp4_format
+from megatron_qrl.quant.nvfp4 import nvfp4_global_scales
 
 
 def expert_amax(x: torch.Tensor, row_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -51,28 +43,12 @@ def fake_quant_rows(x: torch.Tensor, fmt: str, row_gs: Optional[torch.Tensor] = 
     Returns (values in x's dtype, (packed uint8 [rows, K/2], scales [rows, K/G], bits uint8 [rows, K/8])
     with capture=True, else None). No host synchronisation on CUDA.
     """
-    with torch.no_grad():
-        if fmt not in ("nvfp4", "mxfp4"):
-            raise ValueError(f"unknown FP4 format '{fmt}'; use nvfp4 or mxfp4")
-        if fmt == "nvfp4" and row_gs is None:
-            raise ValueError("NVFP4 rows need their global scales (row_scales)")
-        if _triton_ok(x):
-            from megatron_qrl.kernels.fp4_fake_quant import (fp4_fake_quant_capture_triton, mxfp4_fake_quant_triton,
-                                                             nvfp4_fake_quant_triton)
-
-            if capture:
-                deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, fmt, row_gs)
-                return deq, (packed, scales, bits)
-            if fmt == "nvfp4":
-                return nvfp4_fake_quant_triton(x, global_scale=row_gs, check_finite=False), None
-            return mxfp4_fake_quant_triton(x, check_finite=False), None
-        if fmt == "nvfp4":
-            out = nvfp4_quantize(x, row_gs, "nearest", capture=capture)
-            deq = nvfp4_dequantize(out[0], out[1], out[2], dtype=x.dtype)
-            return deq, ((out[0], out[1], out[3]) if capture else None)
-        out = mxfp4_quantize(x, "nearest", capture=capture)
-        deq = mxfp4_dequantize(out[0], out[1], dtype=x.dtype)
-        return deq, ((out[0], out[1], out[2]) if capture else None)
+    if fmt not in FP4_FORMATS:
+        raise ValueError(f"unknown FP4 format '{fmt}'; use nvfp4 or mxfp4")
+    if fmt == "nvfp4" and row_gs is None:
+        raise ValueError("NVFP4 rows need their global scales (row_scales)")
+    deq, enc = fp4_format(fmt).fake_quant(x, row_gs, capture=capture, check_finite=False)
+    return deq, ((enc.packed, enc.scales, enc.bits) if capture else None)
 
 
 def quantize_stacked_weights(w: torch.Tensor, fmt: str, group=None):

@@ -23,8 +23,8 @@ validates it); what couples shards is the per-tensor FP32 global scale (NVFP4), 
   micro-batches meet at an expert, so W4A4 expert activations then differ slightly from a single
   process. TRACE guides carry the rollout's scales and remove this dependence for guided sites.
 
-Activation sites have stable names (see `site_name`): "L{layer}.{role}" or "L{layer}.{role}.E{expert}",
-with the global 0-based layer index and global expert index. A guide provider
+Activation sites have stable names (`site_name`, megatron_qrl/quant/sites.py): "L{layer}.{role}" or
+"L{layer}.{role}.E{expert}", with the global 0-based layer index and global expert index. A guide provider
 (`set_guide_provider`) may return a `GuidedRounding` for a site and micro-batch (TRACE replay); a
 capture sink (`capture_activations`) receives the codes/bits/scales each site used.
 """
@@ -38,11 +38,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_qrl.quant import GuidedRounding
-from megatron_qrl.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
-from megatron_qrl.quant.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
-
-FP4_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+from megatron_qrl.quant.formats import FP4_FORMATS, fp4_format, uses_kernels
+from megatron_qrl.quant.nvfp4 import nvfp4_global_scale
+from megatron_qrl.quant.qat import GuidedRounding
+from megatron_qrl.quant.sites import site_name  # noqa: F401  (models.site_name, the builder of site names)
 
 
 @dataclass(frozen=True)
@@ -90,11 +89,6 @@ class QuantSite:
     amax_floor: Optional[torch.Tensor] = None
 
 
-def site_name(layer: int, role: str, expert: Optional[int] = None) -> str:
-    """Stable site name shared by trainer, engine and TRACE cache: 'L3.fc1.E17', 'L0.qkv'."""
-    return f"L{layer}.{role}" + (f".E{expert}" if expert is not None else "")
-
-
 def _global_amax(x: torch.Tensor, group, floor: Optional[torch.Tensor] = None) -> torch.Tensor:
     amax = x.detach().abs().amax().float()
     if floor is not None:
@@ -103,14 +97,6 @@ def _global_amax(x: torch.Tensor, group, floor: Optional[torch.Tensor] = None) -
         amax = amax.clone()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
-
-
-def _triton_ok(x: torch.Tensor) -> bool:
-    if not x.is_cuda:
-        return False
-    from megatron_qrl.kernels import use_triton
-
-    return use_triton(x)
 
 
 _WEIGHT_EPOCH = [0]
@@ -137,49 +123,26 @@ def quantize_dequantize(x: torch.Tensor, fmt: str, group=None, guide: Optional[G
             from megatron_qrl.trace.replay import replay_rows
 
             return replay_rows(x, guide, nvfp4_global_scale(x), fallback_shift, stats), None
-        if fmt == "nvfp4" and not capture and _triton_ok(x):
-            # GPU: one fused Triton kernel, byte-identical to the torch codec (tests/test_kernels_codec.py),
-            # instead of ~75 small kernels and a host sync per call
-            from megatron_qrl.kernels.fp4_fake_quant import nvfp4_fake_quant_triton
-
-            if guide is not None:
-                return nvfp4_fake_quant_triton(x, guide, fallback_shift=fallback_shift, stats=stats,
-                                               check_finite=False), None
-            gs = nvfp4_global_scale(_global_amax(x, group, amax_floor))
-            return nvfp4_fake_quant_triton(x, global_scale=gs, check_finite=False), None
-        if fmt == "nvfp4":
-            gs = None if guide is None else guide.global_scale
-            if gs is not None and torch.is_tensor(gs) and gs.numel() > 1:
+        if fmt not in FP4_FORMATS:
+            raise ValueError(f"unknown FP4 format '{fmt}'; use nvfp4, mxfp4 or bf16")
+        f = fp4_format(fmt)
+        # the format object runs the Triton codec on GPU (one fused launch, no host sync, byte-identical to the
+        # torch codec: tests/test_kernels_codec.py) and the torch codec elsewhere
+        if guide is not None:
+            gs = guide.global_scale
+            if (f.has_global_scale and torch.is_tensor(gs) and gs.numel() > 1
+                    and (capture or not uses_kernels(x))):
                 # rows the engine quantized in different calls carry their own global scale
                 # (megatron_qrl.trace.replay runs the codec's guided rounding per row); no capture here
                 from megatron_qrl.trace.replay import guided_quant_dequant
 
                 return guided_quant_dequant(x, guide, fallback_shift, stats), None
-            if guide is not None:
-                out = nvfp4_quantize(x, guide.global_scale, "guided", scales=guide.scales,
-                                     trace_bits=guide.bits, capture=capture, fallback_shift=fallback_shift,
-                                     stats=stats)
-            else:
-                gs = nvfp4_global_scale(_global_amax(x, group, amax_floor))
-                if _triton_ok(x):  # GPU capture (the engine's TRACE record): values and bytes from one launch
-                    from megatron_qrl.kernels.fp4_fake_quant import fp4_fake_quant_capture_triton
-
-                    deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "nvfp4", gs)
-                    return deq, (packed, scales, gs, bits)
-                out = nvfp4_quantize(x, gs, "nearest", capture=capture)
-            packed, scales, gs = out[:3]
-            deq = nvfp4_dequantize(packed, scales, gs, dtype=x.dtype)
-            return deq, ((packed, scales, gs, out[3]) if capture else None)
-        if fmt == "mxfp4":
-            if guide is not None:
-                out = mxfp4_quantize(x, "guided", scales=guide.scales, trace_bits=guide.bits, capture=capture,
-                                     fallback_shift=fallback_shift, stats=stats)
-            else:
-                out = mxfp4_quantize(x, "nearest", capture=capture)
-            packed, scales = out[:2]
-            deq = mxfp4_dequantize(packed, scales, dtype=x.dtype)
-            return deq, ((packed, scales, None, out[2]) if capture else None)
-    raise ValueError(f"unknown FP4 format '{fmt}'; use nvfp4, mxfp4 or bf16")
+            deq, enc = f.guided(x, guide, fallback_shift=fallback_shift, stats=stats, capture=capture,
+                                check_finite=False)
+        else:
+            gs = nvfp4_global_scale(_global_amax(x, group, amax_floor)) if f.has_global_scale else None
+            deq, enc = f.fake_quant(x, gs, capture=capture, check_finite=False)
+        return deq, (tuple(enc) if capture else None)
 
 
 def straight_through(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

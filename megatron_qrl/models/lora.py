@@ -36,12 +36,12 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_scatter_to_sequence_parallel_region)
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-from megatron_qrl.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
+from megatron_qrl.quant.formats import FP4_FORMATS, fp4_format
+from megatron_qrl.quant.nvfp4 import nvfp4_global_scale
 
 from .aqn_norm import RMSNorm
 from .fp4_linear import FP4ColumnParallelLinear, FP4RowParallelLinear, QuantSettings, _global_amax
 
-FP4_FORMATS = ("nvfp4", "mxfp4")
 BASE_BUFFERS = ("base_packed", "base_scales", "base_global_scale")
 ADAPTERS = ("lora_A", "lora_B")
 
@@ -84,15 +84,13 @@ class _LoRAMixin:
     # ------------------------------------------------------------------------------------ frozen base
     def _pack_base(self) -> None:
         w = self.weight.detach()
+        f = fp4_format(self.base_format)
         with torch.no_grad():
-            if self.base_format == "nvfp4":
-                # one global scale for the whole (unsharded) weight, as the engine's pack_weight computes it
-                gs = nvfp4_global_scale(_global_amax(w, self._tp()))
-                packed, scales, gs = nvfp4_quantize(w, gs)[:3]
-                gs_bytes = gs.float().reshape(1).view(torch.uint8)
-            else:
-                packed, scales = mxfp4_quantize(w)[:2]
-                gs_bytes = torch.zeros(0, dtype=torch.uint8, device=w.device)
+            # NVFP4: one global scale for the whole (unsharded) weight, as the engine's pack_weight computes it
+            gs = nvfp4_global_scale(_global_amax(w, self._tp())) if f.has_global_scale else None
+            packed, scales, gs, _ = f.quantize(w, global_scale=gs)
+            gs_bytes = (gs.float().reshape(1).view(torch.uint8) if gs is not None
+                        else torch.zeros(0, dtype=torch.uint8, device=w.device))
         del self.weight
         self.weight = None
         self.register_buffer("base_packed", packed.contiguous())
@@ -127,34 +125,32 @@ class _LoRAMixin:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
         if self.cache_base and self._base_cache is not None and self._base_cache[0] == self._cache_key(dtype):
             return self._base_cache[1]
-        if self.base_format == "nvfp4":
-            gs = self.base_global_scale.view(torch.float32).reshape(())
-            w = nvfp4_dequantize(self.base_packed, self.base_scales.view(torch.float8_e4m3fn), gs, dtype=dtype)
-        else:
-            w = mxfp4_dequantize(self.base_packed, self.base_scales, dtype=dtype)
+        packed, scales, gs = self._base_fp4()
+        w = fp4_format(self.base_format).dequantize(packed, scales, gs, dtype)
         if self.cache_base:
             self._base_cache = (self._cache_key(dtype), w)
         return w
 
+    def _base_fp4(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(packed codes, block scales in their dtype, NVFP4 global scale or None) of the stored base."""
+        f = fp4_format(self.base_format)
+        gs = self.base_global_scale.view(torch.float32).reshape(()) if f.has_global_scale else None
+        return self.base_packed, self.base_scales.view(f.scale_dtype), gs
+
     def _kernel_weight(self, x: torch.Tensor):
         """The base in the W4A16 kernel layout (built once: the base never changes), or None if unusable."""
-        if not (x.is_cuda and x.dtype == torch.bfloat16 and self.base_format in FP4_FORMATS):
+        if self.base_format not in FP4_FORMATS:
             return None
-        from megatron_qrl.kernels import use_triton
+        from megatron_qrl.kernels.backend import w4a16_runs
 
-        if not use_triton(x):
+        if not w4a16_runs(x):
             return None
         key = ("kernel",) + self._cache_key(x.dtype)
         cached = getattr(self, "_kernel_cache", None)
         if cached is None or cached[0] != key:
-            from megatron_qrl.kernels.layouts import prepare_mxfp4_weight, prepare_nvfp4_weight
+            from megatron_qrl.kernels import prepare_weight
 
-            if self.base_format == "nvfp4":
-                prepared = prepare_nvfp4_weight(self.base_packed, self.base_scales.view(torch.float8_e4m3fn),
-                                                self.base_global_scale.view(torch.float32).reshape(()))
-            else:
-                prepared = prepare_mxfp4_weight(self.base_packed, self.base_scales)
-            cached = (key, prepared)
+            cached = (key, prepare_weight(self.base_format, *self._base_fp4()))
             self._kernel_cache = cached
         return cached[1]
 

@@ -16,7 +16,7 @@ import time
 
 from megatron_qrl.models.lora import BASE_BUFFERS, lora_linears
 from megatron_qrl.rollout.protocol import WeightUpdateError
-from megatron_qrl.rollout.weights import payload_digest, payload_nbytes, tensor_digest
+from megatron_qrl.quant import payload_digest, payload_nbytes, tensor_digest
 
 from .weight_sync import aqn_seed, holds_digests, set_trainer_aqn
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_qrl import fault_inject
 from megatron_qrl.platform.distributed import weight_sync_group
-from megatron_qrl.rollout.weights import payload_nbytes
+from megatron_qrl.quant.wire import payload_nbytes
 from megatron_qrl.trace.transport import comm_device
 
 from .evaluate import evaluate

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.rollout.weights import payload_digest, payload_nbytes
+from megatron_qrl.quant.wire import payload_digest, payload_nbytes
 
 from .weight_sync import aqn_seed, holds_digests, local_payload, set_trainer_aqn, trainer_payload
 

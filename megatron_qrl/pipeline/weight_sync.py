@@ -86,7 +86,7 @@ def quantized_weight_names(chunks: list[torch.nn.Module], cfg) -> set[str]:
     """Parameter names the engine holds in FP4 (EmbeddedEngine._configure_linears' rule, from the trainer's side)."""
     from megatron_qrl.models import fp4_linears
     from megatron_qrl.rollout.embedded import rollout_quantized
-    from megatron_qrl.rollout.weights import FP4_FORMATS
+    from megatron_qrl.quant.formats import FP4_FORMATS
 
     if cfg.rollout.weights not in FP4_FORMATS:
         return set()

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.rollout.weights import FP4Tensor, Payload
+from megatron_qrl.quant.wire import FP4Tensor, Payload
 
 ALIGN = 16                 # every part starts 16-byte aligned, so any dtype view of its slice is legal
 BUCKET_BYTES = 1 << 28     # 256 MiB per broadcast bounds the sender's and receivers' extra memory

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 E2M1_MAX = 6.0
+ROUNDING_MODES = ("nearest", "stochastic", "guided")
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbours; a magnitude exactly on one of the odd ones (0.75, 1.75, 3.5) rounds up to
 # the even code, one on an even one (0.25, 1.25, 2.5, 5) rounds down: ties to even, as ModelOpt does.
@@ -140,3 +141,36 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     b = (packed.unsqueeze(-1) >> shifts) & 1
     return b.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+def check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding='{rounding}' is not supported; use one of {ROUNDING_MODES}")
+
+
+def round_codes(z: torch.Tensor, rounding: str, trace_bits: Optional[torch.Tensor],
+                generator: Optional[torch.Generator], fallback_shift: float, stats: Optional[dict]) -> torch.Tensor:
+    """Codes of scaled values z in one of ROUNDING_MODES (guided: `trace_bits` packed, fallbacks counted in
+    stats['guided_fallback'] / stats['guided_elements'] when a dict is given). Shared by both formats."""
+    if rounding == "nearest":
+        return round_nearest(z)
+    if rounding == "stochastic":
+        return round_stochastic(z, generator)
+    if trace_bits is None:
+        raise ValueError("rounding='guided' needs trace_bits (the rollout's packed mantissa bits)")
+    expected = (*z.shape[:-1], z.shape[-1] // 8)
+    if tuple(trace_bits.shape) != expected or trace_bits.dtype != torch.uint8:
+        raise ValueError(f"trace_bits must be uint8 {expected} (8 bits per byte), got "
+                         f"{trace_bits.dtype} {tuple(trace_bits.shape)}")
+    codes, fallback = round_guided(z, unpack_bits(trace_bits), fallback_shift)
+    if stats is not None:
+        stats["guided_fallback"] = stats.get("guided_fallback", 0) + int(fallback.sum())
+        stats["guided_elements"] = stats.get("guided_elements", 0) + fallback.numel()
+    return codes
+
+
+def encode(z: torch.Tensor, rounding: str, trace_bits: Optional[torch.Tensor], generator: Optional[torch.Generator],
+           fallback_shift: float, stats: Optional[dict], capture: bool):
+    """(packed codes uint8 [..., K/2], packed mantissa bits uint8 [..., K/8] or None) of scaled values z."""
+    codes = round_codes(z, rounding, trace_bits, generator, fallback_shift, stats)
+    return pack_nibbles(codes), (pack_bits(mantissa_bits(codes)) if capture else None)

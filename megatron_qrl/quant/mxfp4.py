@@ -12,9 +12,8 @@ from typing import Optional
 import torch
 
 from . import e2m1
+from .blocks import MXFP4_BLOCK as BLOCK
 from .validate import check_input, check_packed
-
-BLOCK = 32
 
 
 def mxfp4_block_exponents(x: torch.Tensor) -> torch.Tensor:
@@ -28,23 +27,13 @@ def mxfp4_block_exponents(x: torch.Tensor) -> torch.Tensor:
     return ceil_log2.clamp(-127, 127).to(torch.int32)
 
 
-def mxfp4_quantize(
-    x: torch.Tensor,
-    rounding: str = "nearest",
-    *,
-    scales: Optional[torch.Tensor] = None,
-    trace_bits: Optional[torch.Tensor] = None,
-    capture: bool = False,
-    generator: Optional[torch.Generator] = None,
-    fallback_shift: float = 0.25,
-    stats: Optional[dict] = None,
-):
+def mxfp4_quantize(x: torch.Tensor, rounding: str = "nearest", *, scales: Optional[torch.Tensor] = None,
+                   trace_bits: Optional[torch.Tensor] = None, capture: bool = False,
+                   generator: Optional[torch.Generator] = None, fallback_shift: float = 0.25,
+                   stats: Optional[dict] = None):
     """Quantize x to packed MXFP4: (packed uint8 [..., K/2], E8M0 scales uint8 [..., K/32]) [+ bits]."""
-    from .nvfp4 import _round, ROUNDING_MODES
-
     check_input(x, BLOCK, "mxfp4_quantize")
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"rounding='{rounding}' is not supported; use one of {ROUNDING_MODES}")
+    e2m1.check_rounding(rounding)
     if scales is None:
         if rounding == "guided":
             raise ValueError("rounding='guided' needs the rollout's E8M0 scales: pass scales=")
@@ -52,12 +41,8 @@ def mxfp4_quantize(
     elif scales.dtype != torch.uint8 or tuple(scales.shape) != (*x.shape[:-1], x.shape[-1] // BLOCK):
         raise ValueError(f"scales must be uint8 {(*x.shape[:-1], x.shape[-1] // BLOCK)}, got "
                          f"{scales.dtype} {tuple(scales.shape)}")
-    z = _scaled(x, scales)
-    codes = _round(z, rounding, trace_bits, generator, fallback_shift, stats)
-    packed = e2m1.pack_nibbles(codes)
-    if capture:
-        return packed, scales, e2m1.pack_bits(e2m1.mantissa_bits(codes))
-    return packed, scales
+    packed, bits = e2m1.encode(_scaled(x, scales), rounding, trace_bits, generator, fallback_shift, stats, capture)
+    return (packed, scales, bits) if capture else (packed, scales)
 
 
 def _scale_values(scales: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,11 @@ from typing import Optional
 import torch
 
 from . import e2m1
+from .blocks import NVFP4_BLOCK as BLOCK
 from .validate import check_input, check_packed
 
-BLOCK = 16
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
-ROUNDING_MODES = ("nearest", "stochastic", "guided")
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
@@ -64,18 +63,10 @@ def _as_global_scale(global_scale, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"global_scale must be a scalar or one per row {(*x.shape[:-1], 1)}, got {tuple(gs.shape)}")
 
 
-def nvfp4_quantize(
-    x: torch.Tensor,
-    global_scale: Optional[torch.Tensor] = None,
-    rounding: str = "nearest",
-    *,
-    scales: Optional[torch.Tensor] = None,
-    trace_bits: Optional[torch.Tensor] = None,
-    capture: bool = False,
-    generator: Optional[torch.Generator] = None,
-    fallback_shift: float = 0.25,
-    stats: Optional[dict] = None,
-):
+def nvfp4_quantize(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None, rounding: str = "nearest", *,
+                   scales: Optional[torch.Tensor] = None, trace_bits: Optional[torch.Tensor] = None,
+                   capture: bool = False, generator: Optional[torch.Generator] = None, fallback_shift: float = 0.25,
+                   stats: Optional[dict] = None):
     """Quantize x (fp32/fp16/bf16, last dim a multiple of 16) to packed NVFP4.
 
     Returns (packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim) and, with
@@ -86,8 +77,7 @@ def nvfp4_quantize(
     stats["guided_fallback"] when a dict is given. rounding="stochastic" draws from `generator`.
     """
     check_input(x, BLOCK, "nvfp4_quantize")
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"rounding='{rounding}' is not supported; use one of {ROUNDING_MODES}")
+    e2m1.check_rounding(rounding)
     if global_scale is None:
         if rounding == "guided":
             raise ValueError("rounding='guided' needs the rollout's global_scale (and scales, trace_bits)")
@@ -100,30 +90,9 @@ def nvfp4_quantize(
     elif scales.shape != (*x.shape[:-1], x.shape[-1] // BLOCK) or scales.dtype != torch.float8_e4m3fn:
         raise ValueError(f"scales must be float8_e4m3fn {(*x.shape[:-1], x.shape[-1] // BLOCK)}, got "
                          f"{scales.dtype} {tuple(scales.shape)}")
-    z = nvfp4_scaled(x, scales, global_scale)
-    codes = _round(z, rounding, trace_bits, generator, fallback_shift, stats)
-    packed = e2m1.pack_nibbles(codes)
-    if capture:
-        return packed, scales, global_scale, e2m1.pack_bits(e2m1.mantissa_bits(codes))
-    return packed, scales, global_scale
-
-
-def _round(z, rounding, trace_bits, generator, fallback_shift, stats):
-    if rounding == "nearest":
-        return e2m1.round_nearest(z)
-    if rounding == "stochastic":
-        return e2m1.round_stochastic(z, generator)
-    if trace_bits is None:
-        raise ValueError("rounding='guided' needs trace_bits (the rollout's packed mantissa bits)")
-    expected = (*z.shape[:-1], z.shape[-1] // 8)
-    if tuple(trace_bits.shape) != expected or trace_bits.dtype != torch.uint8:
-        raise ValueError(f"trace_bits must be uint8 {expected} (8 bits per byte), got "
-                         f"{trace_bits.dtype} {tuple(trace_bits.shape)}")
-    codes, fallback = e2m1.round_guided(z, e2m1.unpack_bits(trace_bits), fallback_shift)
-    if stats is not None:
-        stats["guided_fallback"] = stats.get("guided_fallback", 0) + int(fallback.sum())
-        stats["guided_elements"] = stats.get("guided_elements", 0) + fallback.numel()
-    return codes
+    packed, bits = e2m1.encode(nvfp4_scaled(x, scales, global_scale), rounding, trace_bits, generator,
+                               fallback_shift, stats, capture)
+    return (packed, scales, global_scale, bits) if capture else (packed, scales, global_scale)
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,

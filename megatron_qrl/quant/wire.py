@@ -16,10 +16,9 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from .digest import DEFAULT_DIGEST, combine, tensor_digests
-from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
-from .nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_global_scales, nvfp4_quantize
+from .formats import FP4_FORMATS, fp4_format
+from .nvfp4 import nvfp4_global_scale
 
-FP4_FORMATS = ("nvfp4", "mxfp4")
 PACK_CHUNK_ELEMENTS = 1 << 28      # elements stacked per launch in pack_weights (bounds the extra memory)
 
 
@@ -47,9 +46,7 @@ class FP4Tensor:
         return torch.Size((*self.packed.shape[:-1], self.packed.shape[-1] * 2))
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        if self.format == "nvfp4":
-            return nvfp4_dequantize(self.packed, self.scales, self.global_scale, dtype=dtype)
-        return mxfp4_dequantize(self.packed, self.scales, dtype=dtype)
+        return fp4_format(self.format).dequantize(self.packed, self.scales, self.global_scale, dtype)
 
     def parts(self) -> list[torch.Tensor]:
         return [self.packed, self.scales] + ([self.global_scale] if self.global_scale is not None else [])
@@ -96,29 +93,11 @@ def payload_digest(x: Payload, algorithm: str = DEFAULT_DIGEST) -> str:
     return payload_digests([x], algorithm)[0]
 
 
-def _triton_codec(w: torch.Tensor) -> bool:
-    """CUDA weights go to the Triton codec (byte-identical to the torch reference, tests/test_kernels_codec.py)."""
-    if not w.is_cuda:
-        return False
-    from megatron_qrl.kernels import use_triton
-
-    return use_triton(w)
-
-
 def _quantize_rows(x2: torch.Tensor, fmt: str, row_gs: Optional[torch.Tensor], check_finite: bool):
-    """(packed, scales, global scale as given) of a 2-D tensor, nearest rounding; NVFP4 with one global
-    scale per row ([rows, 1]) or a scalar."""
-    if _triton_codec(x2):
-        if fmt == "nvfp4":
-            from megatron_qrl.kernels.fp4_quant import nvfp4_quantize_triton
-
-            return nvfp4_quantize_triton(x2, row_gs, check_finite=check_finite)
-        from megatron_qrl.kernels.fp4_quant import mxfp4_quantize_triton
-
-        return (*mxfp4_quantize_triton(x2, check_finite=check_finite), None)
-    if fmt == "nvfp4":
-        return nvfp4_quantize(x2, row_gs)
-    return (*mxfp4_quantize(x2), None)
+    """(packed, scales, global scale as given) of a 2-D tensor, nearest rounding (the format object picks the
+    Triton codec or the torch reference); NVFP4 with one global scale per row ([rows, 1]) or a scalar."""
+    enc = fp4_format(fmt).quantize(x2, global_scale=row_gs, check_finite=check_finite)
+    return enc.packed, enc.scales, enc.global_scale
 
 
 def pack_weight(w: torch.Tensor, fmt: str) -> FP4Tensor:
@@ -156,7 +135,7 @@ def pack_weights(ws: Sequence[torch.Tensor], fmt: str) -> list[FP4Tensor]:
             finite.append(torch.isfinite(w).all())
             rows = w.reshape(-1, shape[-1])
             if fmt == "nvfp4":
-                gs = nvfp4_global_scales(w.reshape(len(chunk), -1).abs().amax(dim=1))   # [G]
+                gs = fp4_format(fmt).global_scales(w.reshape(len(chunk), -1).abs().amax(dim=1))   # [G]
                 row_gs = gs.repeat_interleave(rows.shape[0] // len(chunk)).unsqueeze(1)
                 packed, scales, _ = _quantize_rows(rows, fmt, row_gs, check_finite=False)
             else:

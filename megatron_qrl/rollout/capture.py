@@ -12,15 +12,14 @@ per token and become [token] tensors.
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 
-from .protocol import ActivationCapture
+from megatron_qrl.quant.sites import parse_site_name, site_name
 
-SITE = re.compile(r"^L(\d+)\.([a-z_0-9]+?)(?:\.E(\d+))?$")
+from .protocol import ActivationCapture
 
 
 class RoutingRecorder:
@@ -93,7 +92,7 @@ class GroupedCaptureRecord:
 
     @property
     def site(self) -> str:
-        return f"L{self.layer}.{self.role}"
+        return site_name(self.layer, self.role)
 
 
 def scatter_records(records: list, routed: Optional[torch.Tensor], num_tokens: int, moe_layers: list[int],
@@ -137,19 +136,18 @@ def scatter_steps(steps: list[tuple[list, int]], routed: Optional[torch.Tensor],
                 seen.add(key)
                 routed_items.setdefault((rec.layer, rec.role), []).append((step, None, rec))
                 continue
-            match = SITE.match(rec.site)
-            if match is None:
-                raise RuntimeError(f"capture record of unknown site '{rec.site}'")
-            layer, role = int(match.group(1)), match.group(2)
-            key = (layer, role, match.group(3))
+            try:
+                key = layer, role, expert = parse_site_name(rec.site)
+            except ValueError:
+                raise RuntimeError(f"capture record of unknown site '{rec.site}'") from None
             if key in seen:
-                what = "site " + rec.site if match.group(3) is None else f"layer {layer} {role}: an expert"
+                what = "site " + rec.site if expert is None else f"layer {layer} {role}: an expert"
                 raise RuntimeError(f"{what} was captured twice in one forward")
             seen.add(key)
-            if match.group(3) is None:
+            if expert is None:
                 dense.setdefault((layer, role), []).append(_dense_rows(rec, num_tokens, keep_codes))
             else:
-                routed_items.setdefault((layer, role), []).append((step, int(match.group(3)), rec))
+                routed_items.setdefault((layer, role), []).append((step, expert, rec))
     out: dict[int, dict[str, ActivationCapture]] = {}
     for (layer, role), parts in dense.items():
         cap = {name: _cat([p[name] for p in parts]) for name in parts[0]}

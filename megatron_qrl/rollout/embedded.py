@@ -22,6 +22,9 @@ from typing import Mapping, Optional
 
 import torch
 
+from megatron_qrl.quant.formats import FP4_FORMATS
+from megatron_qrl.quant.wire import Payload, pack_state
+
 from .attention import StepBatch
 from .capture import RolloutRecords, RoutingRecorder, concat_rows, recording_trace, traced_sites
 from .decode_path import build_graph_loop, resolve_decode_mode
@@ -32,7 +35,7 @@ from .protocol import RolloutSample, SamplingParams, WeightUpdateError
 from .sampling import policy_logprobs, sample_step, sequence_generator
 from .scheduler import ContinuousBatchScheduler, Sequence, StepPlan
 from .static_decode import unsupported_reason
-from .weights import FP4_FORMATS, Payload, WeightStore, pack_state
+from .weights import WeightStore
 
 
 def _check_single_process_layout() -> None:

@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from megatron_qrl.quant.blocks import block_size
+
 from .attention import StepBatch
 from .capture import RolloutRecords, recording_trace
 from .protocol import ActivationCapture, RolloutSample, SamplingParams
@@ -58,10 +60,10 @@ class RecordShapes:
 
 
 def record_shapes(mc, trace_layers: list[int], fmt: str, keep_codes: bool, moe_layers: int) -> RecordShapes:
-    block = 16 if fmt == "nvfp4" else 32
     k = mc.moe_router_topk or 1
     trace = {}
-    for layer in trace_layers:
+    for layer in trace_layers:          # TRACE layers exist only with FP4 weights
+        block = block_size(fmt)
         roles = {}
         for role, width in (("fc1", mc.hidden_size), ("fc2", mc.moe_ffn_hidden_size)):
             f = {"bits": ((k, width // 8), torch.uint8),

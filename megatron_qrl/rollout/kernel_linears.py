@@ -17,51 +17,35 @@ The dense parameters keep their dequantized values (the reference path, release/
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from .capture import GroupedCaptureRecord
-from .weights import FP4_FORMATS, FP4Tensor
+from megatron_qrl.quant.formats import FP4_FORMATS, fp4_format
+from megatron_qrl.quant.wire import FP4Tensor
 
-MODES = ("auto", "on", "off")
+from .capture import GroupedCaptureRecord
 
 
 def kernels_wanted(setting, device: torch.device, dtype: torch.dtype, fmt: str) -> bool:
-    """Run the FP4 linears on the Triton kernels? setting: None (QRL_ROLLOUT_KERNELS, default auto), True /
-    'on' (forced: needs a GPU or TRITON_INTERPRET=1), False / 'off', 'auto' (CUDA with a bf16 model)."""
-    if setting is None:
-        setting = os.environ.get("QRL_ROLLOUT_KERNELS", "auto")
-    if isinstance(setting, bool):
-        setting = "on" if setting else "off"
-    setting = str(setting).lower()
-    if setting not in MODES:
-        raise ValueError(f"rollout kernels setting {setting!r}: use one of {MODES}")
-    if fmt not in FP4_FORMATS or setting == "off":
-        return False
-    from megatron_qrl.kernels import available
+    """Run the FP4 linears on the Triton kernels? The engine's mode (kernels/backend.py `engine_kernels`:
+    None / 'auto' / 'on' / 'off' or a bool); never for a model without FP4 weights."""
+    from megatron_qrl.kernels.backend import engine_kernels, engine_setting
 
-    if setting == "on":
-        if not available():
-            raise RuntimeError("rollout kernels forced on but Triton cannot run here: use a CUDA device or set "
-                               "TRITON_INTERPRET=1 (before anything imports triton) for the CPU interpreter")
-        return True
-    return device.type == "cuda" and dtype == torch.bfloat16 and available()
+    setting = engine_setting(setting)
+    return fmt in FP4_FORMATS and engine_kernels(setting, device, dtype)
 
 
 def prepare(payload: FP4Tensor, stack: Optional[list[FP4Tensor]] = None):
     """PreparedFP4Weight of one synced FP4 weight, or of a stack of experts' weights ([E, N, K])."""
-    from megatron_qrl.kernels.layouts import prepare_mxfp4_weight, prepare_nvfp4_weight
+    from megatron_qrl.kernels import prepare_weight
 
-    parts = stack if stack is not None else [payload]
-    packed = torch.stack([p.packed for p in parts]) if stack is not None else payload.packed
-    scales = torch.stack([p.scales for p in parts]) if stack is not None else payload.scales
-    if payload.format == "nvfp4":
-        gs = (torch.stack([p.global_scale.reshape(()).float() for p in parts]) if stack is not None
-              else payload.global_scale)
-        return prepare_nvfp4_weight(packed, scales, gs)
-    return prepare_mxfp4_weight(packed, scales)
+    if stack is None:
+        return prepare_weight(payload.format, payload.packed, payload.scales, payload.global_scale)
+    gs = (torch.stack([p.global_scale.reshape(()).float() for p in stack]) if payload.global_scale is not None
+          else None)
+    return prepare_weight(payload.format, torch.stack([p.packed for p in stack]),
+                          torch.stack([p.scales for p in stack]), gs)
 
 
 def _dense_forward(lin, *, input, weight, bias=None, **_):
@@ -94,32 +78,20 @@ class GroupedExperts:
 
     def _quant_rows(self, x: torch.Tensor, row_expert: torch.Tensor, num_experts: int, site, role: str):
         """dequant(quant(x)) with each row's expert's dynamic global scale; captures when the site's sink is set."""
-        capture = site.capture_sink is not None
-        if self.fmt == "nvfp4":
-            amax_rows = x.detach().abs().amax(dim=-1).float()
+        fmt = fp4_format(self.fmt)
+        gs_rows = None
+        if fmt.has_global_scale:
             amax = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
-            amax.scatter_reduce_(0, row_expert, amax_rows, reduce="amax", include_self=True)
-            gs_e = _global_scales(amax)
-            gs_rows = gs_e[row_expert].unsqueeze(-1).contiguous()
-            if capture:   # the same values as below plus the TRACE record, from the same single launch
-                from megatron_qrl.kernels.fp4_fake_quant import fp4_fake_quant_capture_triton
-
-                deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "nvfp4", gs_rows)
-                site.capture_sink.append(GroupedCaptureRecord(self.layer, role, row_expert, packed, scales,
-                                                              gs_rows.reshape(-1), bits))
-                return deq
-            from megatron_qrl.kernels.fp4_fake_quant import nvfp4_fake_quant_triton
-
-            return nvfp4_fake_quant_triton(x, global_scale=gs_rows, check_finite=False)
+            amax.scatter_reduce_(0, row_expert, x.detach().abs().amax(dim=-1).float(), reduce="amax",
+                                 include_self=True)
+            gs_rows = fmt.global_scales(amax)[row_expert].unsqueeze(-1).contiguous()
+        capture = site.capture_sink is not None
+        # capture: the same values plus the TRACE record, from the same single launch
+        deq, enc = fmt.fake_quant(x, gs_rows, capture=capture, check_finite=False, kernels=True)
         if capture:
-            from megatron_qrl.kernels.fp4_fake_quant import fp4_fake_quant_capture_triton
-
-            deq, packed, scales, bits = fp4_fake_quant_capture_triton(x, "mxfp4")
-            site.capture_sink.append(GroupedCaptureRecord(self.layer, role, row_expert, packed, scales, None, bits))
-            return deq
-        from megatron_qrl.kernels.fp4_fake_quant import mxfp4_fake_quant_triton
-
-        return mxfp4_fake_quant_triton(x, check_finite=False)
+            site.capture_sink.append(GroupedCaptureRecord(self.layer, role, row_expert, enc.packed, enc.scales,
+                                                          None if gs_rows is None else gs_rows.reshape(-1), enc.bits))
+        return deq
 
     def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **_):
         from dataclasses import replace
@@ -165,14 +137,6 @@ class GroupedExperts:
                 h = (h.float() * 256.0).to(torch.bfloat16)
             y = moe_down(h, self.w2, routing, probs, dn)
         return y.to(x.dtype).reshape(shape), None
-
-
-def _global_scales(amax: torch.Tensor) -> torch.Tensor:
-    """Per-expert NVFP4 global scale amax / (6 * 448), the codec's rule (zero amax -> 1 / (6 * 448))."""
-    from megatron_qrl.quant.nvfp4 import E4M3_MAX, e2m1
-
-    a = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return a / torch.tensor(e2m1.E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
 
 
 class KernelLinears:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal, Mapping, Optional, Protocol, Union, r
 import torch
 
 if TYPE_CHECKING:
-    from .weights import FP4Tensor
+    from megatron_qrl.quant.wire import FP4Tensor
 
 FinishReason = Literal["stop", "length"]
 
@@ -150,7 +150,7 @@ class RolloutSample:
         return torch.cat([ids, ids[-1:].expand(length - ids.shape[0], *ids.shape[1:])], dim=0)
 
 
-WeightPayload = Union[torch.Tensor, "FP4Tensor"]  # FP4Tensor: megatron_qrl.rollout.weights
+WeightPayload = Union[torch.Tensor, "FP4Tensor"]  # FP4Tensor: megatron_qrl.quant.wire
 
 
 @runtime_checkable

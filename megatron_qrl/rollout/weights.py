@@ -1,11 +1,10 @@
-"""FP4 weights for the rollout engine: the packed tensor type, the digest every sync checks, the store.
+"""The engine's copy of the policy weights (WeightStore) and the digest check every sync passes.
 
 The contract of DESIGN.md ("the engine runs exactly the weights the trainer quantized") is made
-checkable here: the trainer quantizes with the project codec (`pack_weight(s)`), hashes every payload with
-`payload_digests` (quant/digest.py; qh128 on the payload's device by default), and the engine recomputes the
-digests of the bytes it received before it installs anything (`WeightStore.stage`, all payloads hashed
-together). One mismatch refuses the whole update. FP4Tensor, the packing and the digests live in
-megatron_qrl.quant (quant/wire.py, quant/digest.py) and are re-exported here.
+checkable here: the trainer quantizes with the project codec and hashes every payload (the wire format,
+megatron_qrl.quant: FP4Tensor, pack_state, payload_digests), and the engine recomputes the digests of the
+bytes it received before it installs anything (`WeightStore.stage`, all payloads hashed together). One
+mismatch refuses the whole update.
 """
 from __future__ import annotations
 
@@ -13,13 +12,10 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-# The wire format lives in megatron_qrl.quant (one definition for the trainer's sync, the engines and the
-# export); re-exported here so engine-side code keeps importing it from rollout.weights.
-from megatron_qrl.quant.digest import (DEFAULT_DIGEST, DEVICE_DIGEST, DIGEST_ALGORITHMS, UnknownDigestError,
-                                       tensor_digest, tensor_digests)
+from megatron_qrl.quant.digest import UnknownDigestError
 from megatron_qrl.quant.digest import digest_algorithm as _digest_algorithm
-from megatron_qrl.quant.wire import (FP4_FORMATS, FP4Tensor, Payload, pack_state, pack_weight, pack_weights,
-                                     payload_digest, payload_digests, payload_nbytes)
+from megatron_qrl.quant.formats import FP4_FORMATS
+from megatron_qrl.quant.wire import FP4Tensor, Payload, pack_weight, payload_digests, payload_nbytes
 
 from .protocol import WeightUpdateError
 
@@ -157,6 +153,4 @@ class WeightStore:
         self.entries = {n: p.to("cpu") for n, p in self.entries.items()}
 
 
-__all__ = ["DEFAULT_DIGEST", "DEVICE_DIGEST", "DIGEST_ALGORITHMS", "FP4_FORMATS", "FP4Tensor", "Payload", "WeightStore",
-           "digest_algorithm", "digest_problem", "digest_problems", "pack_state", "pack_weight", "pack_weights",
-           "payload_digest", "payload_digests", "payload_nbytes", "tensor_digest", "tensor_digests"]
+__all__ = ["WeightStore", "WeightUpdateError", "digest_algorithm", "digest_problem", "digest_problems"]

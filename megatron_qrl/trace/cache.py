@@ -17,20 +17,19 @@ Structure (docs/trace.md has the byte layout):
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
 
+from megatron_qrl.quant.nvfp4 import BLOCK
+from megatron_qrl.quant.sites import parse_site_name, site_name
+
 from .errors import TraceLookupError
 from .packing import index_width, unpack_indices, unpack_mask
 
 FORMAT = "nvfp4"
-BLOCK = 16          # NVFP4 elements per E4M3 block scale
 BITS_PER_ELEMENT = 1.0 + 8.0 / BLOCK   # mantissa bit + block scale share
-
-_SITE_NAME = re.compile(r"^L(\d+)\.([A-Za-z_][A-Za-z0-9_]*?)(?:\.E(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -53,14 +52,12 @@ class EntryKey:
     @property
     def site_name(self) -> str:
         """The model's site name (megatron_qrl.models.fp4_linear.site_name): 'L3.fc1.E17', 'L0.qkv'."""
-        return f"L{self.layer}.{self.site}" + (f".E{self.expert}" if self.routed else "")
+        return site_name(self.layer, self.site, self.expert if self.routed else None)
 
     @classmethod
     def from_site_name(cls, name: str) -> "EntryKey":
-        m = _SITE_NAME.match(name)
-        if m is None:
-            raise ValueError(f"'{name}' is not a site name of the form 'L<layer>.<role>[.E<expert>]'")
-        return cls(int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) is not None else -1)
+        layer, role, expert = parse_site_name(name)
+        return cls(layer, role, -1 if expert is None else expert)
 
     @classmethod
     def from_site(cls, site) -> "EntryKey":

@@ -16,7 +16,7 @@ import torch
 from megatron_qrl.quant import nvfp4_quantize, unpack_nibbles
 
 from .builder import TraceCacheBuilder
-from .cache import TraceCache
+from .cache import BLOCK, TraceCache
 
 
 @dataclass
@@ -82,7 +82,7 @@ def make_rollout(num_samples: int = 8, seq_len: int = 16, prompt_len: int = 6, l
             ex = routed[:, :, layer, :].reshape(-1) if is_routed else torch.full((n,), -1)
             codes = torch.zeros(n, K, dtype=torch.uint8)
             bits = torch.zeros(n, K // 8, dtype=torch.uint8)
-            scales = torch.zeros(n, K // 16, dtype=torch.uint8)
+            scales = torch.zeros(n, K // BLOCK, dtype=torch.uint8)
             gs = torch.zeros(n)
             call = it * (num_experts + 1) + (ex + 1)
             for c in torch.unique(call).tolist():

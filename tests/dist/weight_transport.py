@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from megatron_qrl.pipeline.rollout_service import broadcast_object
 from megatron_qrl.pipeline.weight_transport import all_gather_tensors, manifest, receive_weights, send_weights
-from megatron_qrl.rollout.weights import FP4Tensor, digest_problem, pack_weight, payload_digest
+from megatron_qrl.quant import FP4Tensor, pack_weight, payload_digest
+from megatron_qrl.rollout.weights import digest_problem
 
 
 def payload():

@@ -13,8 +13,10 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from megatron_qrl.quant.wire import FP4Tensor, Payload
+
 from ..protocol import RolloutSample, SamplingParams, WeightUpdateError
-from ..weights import FP4Tensor, Payload, digest_problem
+from ..weights import digest_problem
 from .payloads import (RoutingLayout, SGLangResponseError, generate_request, parse_generate_response,
                        request_seed)
 from .release import SGLANG_VERSION

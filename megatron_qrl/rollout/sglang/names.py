@@ -12,7 +12,8 @@ the parts sent.
 """
 from __future__ import annotations
 
-from ..weights import FP4Tensor, Payload
+from megatron_qrl.quant.wire import FP4Tensor, Payload
+
 from .engine import NameMap
 
 

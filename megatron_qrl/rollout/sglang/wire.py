@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from ..weights import FP4Tensor, Payload
+from megatron_qrl.quant.wire import FP4Tensor, Payload
 
 MODELOPT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
