@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .config_rules import ConfigError, check_world_size, cross_section_errors
+from .config_rules import ConfigError, at_most, check_world_size, cross_section_errors
 
 
 class _Section(BaseModel):
@@ -72,9 +72,8 @@ class ModelConfig(_Section):
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             errs.append(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
                         f"({self.num_attention_heads}), or set model.kv_channels")
-        if self.num_experts and self.moe_router_topk > self.num_experts:
-            errs.append(f"model.moe_router_topk ({self.moe_router_topk}) must be <= model.num_experts "
-                        f"({self.num_experts})")
+        if self.num_experts:
+            errs += at_most("model.moe_router_topk", self.moe_router_topk, "model.num_experts", self.num_experts)
         _raise_all(errs)
         return self
 
@@ -117,8 +116,7 @@ class TrainerConfig(_Section):
 
     @model_validator(mode="after")
     def _lr_range(self):
-        if self.min_lr > self.lr:
-            raise ValueError(f"trainer.min_lr ({self.min_lr}) must be <= trainer.lr ({self.lr})")
+        _raise_all(at_most("trainer.min_lr", self.min_lr, "trainer.lr", self.lr))
         return self
 
 
@@ -267,8 +265,7 @@ class AQNConfig(_Section):
 
     @model_validator(mode="after")
     def _decaying(self):
-        if self.sigma_end > self.sigma_start:
-            raise ValueError(f"aqn.sigma_end ({self.sigma_end}) must be <= aqn.sigma_start ({self.sigma_start})")
+        _raise_all(at_most("aqn.sigma_end", self.sigma_end, "aqn.sigma_start", self.sigma_start))
         return self
 
 

@@ -50,8 +50,15 @@ def _parallel_layout(cfg) -> list[str]:
     return errs
 
 
+def at_most(name: str, value, limit_name: str, limit) -> list[str]:
+    """[] when value <= limit, else the message naming both fields (a section's rule or one across sections)."""
+    return [f"{name} ({value}) must be <= {limit_name} ({limit})"] if value > limit else []
+
+
 def _block_errors(cfg, fmt: str, purpose: str, fix: str) -> list[str]:
-    """The model's GEMM dimensions (per TP shard) must hold whole `fmt` scale blocks."""
+    """The model's GEMM dimensions (per TP shard) must hold whole `fmt` scale blocks (bf16 has none)."""
+    if fmt == "bf16":
+        return []
     block, m, tp = FP4_BLOCK[fmt], cfg.model, cfg.trainer.tensor_parallel
     errs = []
     for name, size in [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
@@ -70,9 +77,7 @@ def _qat_blocks(cfg) -> list[str]:
     if not m.num_experts and q.qat and q.format != "bf16" and q.targets == "routed_experts":
         errs.append("quant.targets=routed_experts quantizes nothing in a dense model (model.num_experts=0): "
                     "set quant.targets=all_linears (or quant.qat=false)")
-    if q.format != "bf16":
-        errs.extend(_block_errors(cfg, q.format, "FP4 QAT", "quant.format=bf16"))
-    return errs
+    return errs + _block_errors(cfg, q.format, "FP4 QAT", "quant.format=bf16")
 
 
 def _lora(cfg) -> list[str]:
@@ -93,9 +98,7 @@ def _lora(cfg) -> list[str]:
     if ro.engine != "embedded" or ro.placement != "colocated":
         errs.append("lora.enabled shares the frozen base with an in-process embedded engine: set "
                     "rollout.engine=embedded and rollout.placement=colocated")
-    if lo.base_format != "bf16":
-        errs.extend(_block_errors(cfg, lo.base_format, "a packed LoRA base", "lora.base_format=bf16"))
-    return errs
+    return errs + _block_errors(cfg, lo.base_format, "a packed LoRA base", "lora.base_format=bf16")
 
 
 def _rl(cfg) -> list[str]:
@@ -121,8 +124,8 @@ def _trace(cfg) -> list[str]:
     """TRACE replays what an FP4 W4A4 engine captured, layer by layer and (MoE) with the captured routing."""
     tr, m, ro = cfg.trace, cfg.model, cfg.rollout
     errs = []
-    if tr.num_cached_layers is not None and tr.num_cached_layers > m.num_layers:
-        errs.append(f"trace.num_cached_layers ({tr.num_cached_layers}) must be <= model.num_layers ({m.num_layers})")
+    if tr.num_cached_layers is not None:
+        errs += at_most("trace.num_cached_layers", tr.num_cached_layers, "model.num_layers", m.num_layers)
     if not tr.enabled:
         return errs
     if m.num_experts and not cfg.r3.enabled:
