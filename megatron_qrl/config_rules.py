@@ -3,11 +3,12 @@
 Two stages, both before any process group starts:
 - `cross_section_errors(cfg)`: what every use of a config needs. QRLConfig runs it once all sections are
   valid, so load_config / from_dict report every combination that cannot work at once, in one ConfigError.
-- `check_job(cfg, world_size)`: what an RL job adds (the launcher and RunSetup.build): the trainer/engine
-  layouts the RL loop runs, then whether the trainer layout tiles the job's ranks. A checkpoint conversion or a
-  trainer-only script may use layouts the RL loop does not.
-Every message names the fields and the fix. This module imports no other megatron_qrl module at import time
-(config.py imports it).
+- `check_world_size(cfg, world_size)`: whether the trainer layout tiles the job's trainer ranks (known only
+  when the job starts: QRLConfig.check_world_size, platform.init_distributed, the RL job's check_job).
+The layouts the RL loop runs (pipeline's check_rl_layout) are the RL job's rules, beside its placement: a
+checkpoint conversion or a trainer-only script may use layouts the RL loop does not.
+Every message names the fields and the fix. This module imports no other megatron_qrl module (config.py
+imports it).
 """
 from __future__ import annotations
 
@@ -157,32 +158,7 @@ def _data(cfg) -> list[str]:
     return []
 
 
-# ------------------------------------------------------------------------------------------------ RL jobs
-def trainer_is_sharded(cfg) -> bool:
-    """The trainer holds shards (TP/PP/EP/ETP > 1): an engine needs the gathered full model."""
-    t = cfg.trainer
-    return t.tensor_parallel * t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel != 1
-
-
-def check_rl_layout(cfg) -> None:
-    """Layouts the RL loop runs: any trainer layout with embedded engines, colocated or disaggregated."""
-    if cfg.lora.enabled and cfg.rollout.placement == "disaggregated":
-        raise ConfigError("lora.enabled with rollout.placement=disaggregated is not implemented (the adapters-only "
-                          "sync runs in-process): use rollout.placement=colocated for QeRL mode")
-    t = cfg.trainer
-    colocated_sharded = trainer_is_sharded(cfg) and cfg.rollout.placement == "colocated"
-    if colocated_sharded and (cfg.lora.enabled or cfg.rollout.engine != "embedded"):
-        what = "lora.enabled" if cfg.lora.enabled else f"rollout.engine={cfg.rollout.engine}"
-        raise ConfigError(
-            f"{what} with a sharded colocated trainer (trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel="
-            f"{t.pipeline_parallel}, expert_parallel={t.expert_parallel}) is not implemented: use data parallelism "
-            "only, or rollout.placement=disaggregated")
-    if t.expert_parallel > 1 and t.tensor_parallel > 1 and cfg.trace.enabled:
-        raise ConfigError("TRACE replay under trainer.expert_parallel>1 together with tensor_parallel>1 is not "
-                          "implemented (each dispatch source holds a sequence shard; trace/lookup.py ExpertSources): "
-                          "set trace.enabled=false or trainer.tensor_parallel=1")
-
-
+# --------------------------------------------------------------------------------------------- job size
 def check_world_size(cfg, world_size: int) -> None:
     """The trainer layout tiles `world_size` trainer ranks (data parallel is what remains)."""
     t = cfg.trainer
@@ -195,12 +171,3 @@ def check_world_size(cfg, world_size: int) -> None:
         raise ConfigError(f"trainer.expert_parallel*trainer.expert_tensor_parallel "
                           f"({t.expert_parallel * t.expert_tensor_parallel}) must divide data*tensor parallel "
                           f"({dp * t.tensor_parallel}) with {world_size} ranks")
-
-
-def check_job(cfg, world_size: int) -> None:
-    """What an RL job of `world_size` ranks can check before any process group starts: the RL layout, then the
-    rank count of its trainer side."""
-    from megatron_qrl.platform.placement import Placement
-
-    check_rl_layout(cfg)
-    check_world_size(cfg, Placement.from_config(cfg, world_size).num_trainers)

@@ -13,7 +13,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.config_rules import check_job, check_rl_layout  # noqa: F401 (check_job: pipeline's API)
 from megatron_qrl.data import PromptBatches, Tokenizer, prepare_inputs, task_reward
 from megatron_qrl.rollout.protocol import SamplingParams
 
@@ -24,6 +23,7 @@ from .rollout_service import build_rollouts, engine_share, from_bytes, to_bytes
 from megatron_qrl.run_dir import RunDirPlan
 from .run_state import complete_checkpoints, mark_latest, step_path
 from .trace_bridge import TraceBridge
+from .weight_sync import check_rl_layout
 
 _log = logging.getLogger(__name__)
 # trainer stat names -> the metric names of docs/metrics.md
@@ -203,6 +203,14 @@ def engine_config(cfg):
     reads its pipeline split from the config)."""
     one = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, "expert_tensor_parallel": 1}
     return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update=one)})
+
+
+def check_job(cfg, world_size: int) -> None:
+    """What can be checked before any process group starts: the RL layout, then the rank count."""
+    from megatron_qrl.platform import Placement
+
+    check_rl_layout(cfg)
+    cfg.check_world_size(Placement.from_config(cfg, world_size).num_trainers)
 
 
 def generate_shard(s: RunSetup, prompts: list, step: int, first_index: int = 0):

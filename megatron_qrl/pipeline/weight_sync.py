@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.config_rules import trainer_is_sharded
+from megatron_qrl.config import ConfigError
 from megatron_qrl.models import clear_aqn_noise, set_aqn_noise
 from megatron_qrl.rl import aqn_sigma
 
@@ -26,6 +26,31 @@ def unwrap(trainer_model: list) -> list[torch.nn.Module]:
     from megatron.core.utils import unwrap_model
 
     return unwrap_model(list(trainer_model))   # DDP, then Float16Module (bf16 on GPU)
+
+
+def is_sharded(cfg) -> bool:
+    """The trainer holds shards (TP/PP/EP/ETP > 1): the engine needs the gathered full model."""
+    t = cfg.trainer
+    return t.tensor_parallel * t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel != 1
+
+
+def check_rl_layout(cfg) -> None:
+    """Layouts the RL loop runs: any trainer layout with embedded engines, colocated or disaggregated."""
+    if cfg.lora.enabled and cfg.rollout.placement == "disaggregated":
+        raise ConfigError("lora.enabled with rollout.placement=disaggregated is not implemented (the adapters-only "
+                         "sync runs in-process): use rollout.placement=colocated for QeRL mode")
+    t = cfg.trainer
+    colocated_sharded = is_sharded(cfg) and cfg.rollout.placement == "colocated"
+    if colocated_sharded and (cfg.lora.enabled or cfg.rollout.engine != "embedded"):
+        what = "lora.enabled" if cfg.lora.enabled else f"rollout.engine={cfg.rollout.engine}"
+        raise ConfigError(
+            f"{what} with a sharded colocated trainer (trainer.tensor_parallel={t.tensor_parallel}, pipeline_parallel="
+            f"{t.pipeline_parallel}, expert_parallel={t.expert_parallel}) is not implemented: use data parallelism "
+            "only, or rollout.placement=disaggregated")
+    if t.expert_parallel > 1 and t.tensor_parallel > 1 and cfg.trace.enabled:
+        raise ConfigError("TRACE replay under trainer.expert_parallel>1 together with tensor_parallel>1 is not "
+                         "implemented (each dispatch source holds a sequence shard; trace/lookup.py ExpertSources): "
+                         "set trace.enabled=false or trainer.tensor_parallel=1")
 
 
 def aqn_seed(run_seed: int, step: int) -> int:
@@ -109,7 +134,7 @@ def trainer_payload(trainer, cfg, everywhere: bool = False):
 
     from .gather_weights import full_named_parameters, global_names
 
-    if not trainer_is_sharded(cfg):
+    if not is_sharded(cfg):
         return local_payload(trainer, cfg) if everywhere or dist.get_rank() == 0 else (None, None)
     chunks = unwrap(trainer.model)
     named = full_named_parameters(chunks)
@@ -135,8 +160,7 @@ def sync_weights(engine, trainer, cfg, step: int, version: int) -> dict:
     t0 = time.perf_counter()
     # a colocated engine beside a sharded trainer: every rank gathers the full model; unsharded: this rank's
     # payload (EmbeddedEngine.sync_from_model's, with the QAT quantizer's expert bytes reused)
-    sharded = trainer_is_sharded(cfg)
-    weights, hashes = trainer_payload(trainer, cfg, everywhere=True) if sharded else local_payload(trainer, cfg)
+    weights, hashes = trainer_payload(trainer, cfg, everywhere=True) if is_sharded(cfg) else local_payload(trainer, cfg)
     engine.update_weights(weights, version, hashes)
     hash_ok = holds_digests(getattr(getattr(engine, "store", None), "digests", None), hashes)
     sigma = set_trainer_aqn(trainer, cfg, step)
