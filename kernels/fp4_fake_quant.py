@@ -214,9 +214,50 @@ def _check_guide(guide: GuidedRounding, x: torch.Tensor, block: int, scale_dtype
     if tuple(guide.bits.shape) != (*lead, K // 8) or guide.bits.dtype != torch.uint8:
         raise ValueError(f"{where}: guide.bits must be uint8 {(*lead, K // 8)} (8 bits per byte), got "
                          f"{guide.bits.dtype} {tuple(guide.bits.shape)}")
-    if tuple(guide.scales.shape) != (*lead, K // block) or guide.scales.dtype != scale_dtype:
-        raise ValueError(f"{where}: guide.scales must be {scale_dtype} {(*lead, K // block)}, got "
-                         f"{guide.scales.dtype} {tuple(guide.scales.shape)}")
+    _check_scales(guide.scales, x, block, scale_dtype, "guide.scales", where)
+
+
+def _check_scales(scales: torch.Tensor, x: torch.Tensor, block: int, scale_dtype, name: str, where: str) -> None:
+    """One scale per `block` elements of x's last dim, in the format's scale dtype."""
+    shape = (*x.shape[:-1], x.shape[-1] // block)
+    if tuple(scales.shape) != shape or scales.dtype != scale_dtype:
+        raise ValueError(f"{where}: {name} must be {str(scale_dtype).removeprefix('torch.')} {shape}, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+
+
+def _guide_blocks(guide: GuidedRounding, x: torch.Tensor, block: int, scale_dtype, where: str):
+    """The guide's (scale bytes, rounding bits) as the kernel reads them, after checking their shapes."""
+    _check_guide(guide, x, block, scale_dtype, where)
+    return _as_blocks(guide.scales).view(torch.uint8), _as_blocks(guide.bits)
+
+
+def _rounding(x: torch.Tensor, guide: Optional[GuidedRounding], scales: Optional[torch.Tensor], block: int,
+              scale_dtype, where: str):
+    """(mode, scale bytes, rounding bits): TRACE replay of the guide, nearest rounding with the given scales, or
+    nearest rounding with scales computed in-kernel."""
+    if guide is not None:
+        return (MODE_GUIDED, *_guide_blocks(guide, x, block, scale_dtype, where))
+    if scales is not None:
+        return MODE_NEAREST_SCALES, _given_scale_blocks(scales, x, block, scale_dtype, where), None
+    return MODE_NEAREST, None, None
+
+
+def _fallback_count(x: torch.Tensor, guide, stats, return_fallback: bool, return_mismatch: bool = False):
+    """The kernel's int32 counters when a guided call reports them: [fallback, mismatch] or the fallback
+    count alone; None otherwise (the kernel then counts nothing)."""
+    if guide is None:
+        return None
+    if return_mismatch:
+        return torch.zeros(2, dtype=torch.int32, device=x.device)
+    if stats is not None or return_fallback:
+        return torch.zeros((), dtype=torch.int32, device=x.device)
+    return None
+
+
+def _given_scale_blocks(scales: torch.Tensor, x: torch.Tensor, block: int, scale_dtype, where: str):
+    """scales= (nearest rounding with the caller's scales) as the kernel reads them."""
+    _check_scales(scales, x, block, scale_dtype, "scales", where)
+    return _as_blocks(scales).view(torch.uint8)
 
 
 def _finish(out, count, x, stats, return_fallback):
@@ -248,37 +289,17 @@ def nvfp4_fake_quant_triton(x: torch.Tensor, guide: Optional[GuidedRounding] = N
     """
     where = "nvfp4_fake_quant_triton"
     check_input_fast(x, NVFP4_BLOCK, where)
-    count = None
-    bits = None
-    scales_u8 = None
-    gs = None
+    if return_mismatch and guide is None:
+        raise ValueError(f"{where}: return_mismatch counts against a TRACE guide; pass guide=")
+    if guide is None and scales is not None and global_scale is None:
+        raise ValueError(f"{where}: scales= needs its global_scale")
+    mode, scales_u8, bits = _rounding(x, guide, scales, NVFP4_BLOCK, torch.float8_e4m3fn, where)
     if guide is not None:
-        _check_guide(guide, x, NVFP4_BLOCK, torch.float8_e4m3fn, where)
         if guide.global_scale is None:
             raise ValueError(f"{where}: guided NVFP4 needs the rollout's global_scale (guide.global_scale)")
-        gs = as_global_scale(guide.global_scale, x, where)
-        scales_u8 = _as_blocks(guide.scales).view(torch.uint8)
-        bits = _as_blocks(guide.bits)
-        mode = MODE_GUIDED
-        if return_mismatch:
-            count = torch.zeros(2, dtype=torch.int32, device=x.device)
-        elif stats is not None or return_fallback:
-            count = torch.zeros((), dtype=torch.int32, device=x.device)
-    elif return_mismatch:
-        raise ValueError(f"{where}: return_mismatch counts against a TRACE guide; pass guide=")
-    elif scales is not None:
-        if global_scale is None:
-            raise ValueError(f"{where}: scales= needs its global_scale")
-        if tuple(scales.shape) != (*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK) or scales.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{where}: scales must be float8_e4m3fn {(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK)}, "
-                             f"got {scales.dtype} {tuple(scales.shape)}")
-        gs = as_global_scale(global_scale, x, where)
-        scales_u8 = _as_blocks(scales).view(torch.uint8)
-        mode = MODE_NEAREST_SCALES
-    else:
-        mode = MODE_NEAREST
-        if global_scale is not None:
-            gs = as_global_scale(global_scale, x, where)
+        global_scale = guide.global_scale
+    gs = None if global_scale is None else as_global_scale(global_scale, x, where)
+    count = _fallback_count(x, guide, stats, return_fallback, return_mismatch)
     xc = _as_blocks(x.detach())
     amax = amax_bits(xc) if (gs is None or check_finite) else None
     cfg = DEFAULT_CONFIG["nvfp4"]
@@ -301,23 +322,8 @@ def mxfp4_fake_quant_triton(x: torch.Tensor, guide: Optional[GuidedRounding] = N
     guide: the rollout's E8M0 scales (uint8 [..., K/32]) and bits; scales=: nearest with given scales."""
     where = "mxfp4_fake_quant_triton"
     check_input_fast(x, MXFP4_BLOCK, where)
-    count = None
-    bits = None
-    scales_u8 = None
-    mode = MODE_NEAREST
-    if guide is not None:
-        _check_guide(guide, x, MXFP4_BLOCK, torch.uint8, where)
-        scales_u8 = _as_blocks(guide.scales)
-        bits = _as_blocks(guide.bits)
-        mode = MODE_GUIDED
-        if stats is not None or return_fallback:
-            count = torch.zeros((), dtype=torch.int32, device=x.device)
-    elif scales is not None:
-        if tuple(scales.shape) != (*x.shape[:-1], x.shape[-1] // MXFP4_BLOCK) or scales.dtype != torch.uint8:
-            raise ValueError(f"{where}: scales must be uint8 {(*x.shape[:-1], x.shape[-1] // MXFP4_BLOCK)}, got "
-                             f"{scales.dtype} {tuple(scales.shape)}")
-        scales_u8 = _as_blocks(scales)
-        mode = MODE_NEAREST_SCALES
+    mode, scales_u8, bits = _rounding(x, guide, scales, MXFP4_BLOCK, torch.uint8, where)
+    count = _fallback_count(x, guide, stats, return_fallback)
     xc = _as_blocks(x.detach())
     amax = amax_bits(xc) if check_finite else None
     cfg = DEFAULT_CONFIG["mxfp4"]

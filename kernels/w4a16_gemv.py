@@ -438,30 +438,49 @@ def _counters(device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def check_dense_nvfp4(w: PreparedFP4Weight, kernel: str) -> None:
+    """The GEMV kernels (this one, w4a16_mma_gemv) multiply by one dense NVFP4 weight."""
+    if w.fmt != "nvfp4" or w.num_experts is not None:
+        raise ValueError(f"the {kernel} kernel takes one dense NVFP4 weight")
+
+
+def asm_ready_activations(x2: torch.Tensor, w: PreparedFP4Weight, kernel: str, row_aligned_codes: bool = False):
+    """The inline-PTX path's 16-byte loads: refuse misaligned weight codes / scale rows (row_aligned_codes: each
+    code row too); a misaligned activation is copied instead."""
+    codes_misaligned = w.qweight.data_ptr() % 16 or (row_aligned_codes and w.qweight.stride(-2) % 16)
+    if codes_misaligned or w.scales.data_ptr() % 2 or w.scales.stride(-2) % 2:
+        rows = " rows" if row_aligned_codes else ""
+        raise ValueError(f"{kernel}: qweight{rows} must be 16-byte aligned and scale rows 2-byte aligned")
+    if x2.data_ptr() % 16 or x2.stride(0) % 8:
+        x2 = x2.clone(memory_format=torch.contiguous_format)   # 16-byte activation loads
+    return x2
+
+
+def split_k_buffers(x2: torch.Tensor, split_k: int, n: int, tiles: int, out: torch.Tensor):
+    """(fp32 partial sums [split_k, M, N], arrival counters) of a split-K launch; without split-K the kernel
+    takes `out` for both (unused)."""
+    if split_k == 1:
+        return out, out
+    return (torch.empty((split_k, x2.shape[0], n), device=x2.device, dtype=torch.float32),
+            _counters(x2.device, tiles))
+
+
 def launch_gemv(x2: torch.Tensor, w: PreparedFP4Weight, cfg: GemvConfig, out: torch.Tensor,
                 interpret: bool = False) -> torch.Tensor:
     """Run one config (few checks). x2 [M, K] bf16 with unit inner stride; out [M, N] bf16, unit inner stride."""
     m, k = x2.shape
     n = w.n
-    if w.fmt != "nvfp4" or w.num_experts is not None:
-        raise ValueError("the GEMV kernel takes one dense NVFP4 weight")
+    check_dense_nvfp4(w, "GEMV")
     if not 1 <= cfg.block_m <= MAX_BLOCK_M:
         raise ValueError(f"GEMV block_m {cfg.block_m} not in 1..{MAX_BLOCK_M}")
     if (k // 32) % cfg.groups or k % 32:
         raise ValueError(f"K = {k}: K/32 is not a multiple of groups={cfg.groups}")
     use_asm = cfg.asm and not interpret
     if use_asm:
-        if w.qweight.data_ptr() % 16 or w.scales.data_ptr() % 2 or w.scales.stride(-2) % 2:
-            raise ValueError("GEMV: qweight must be 16-byte aligned and scale rows 2-byte aligned")
-        if x2.data_ptr() % 16 or x2.stride(0) % 8:
-            x2 = x2.clone(memory_format=torch.contiguous_format)   # 16-byte activation loads
+        x2 = asm_ready_activations(x2, w, "GEMV")
     m_chunks = triton.cdiv(m, cfg.block_m)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, m_chunks)
-    if cfg.split_k > 1:
-        ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32)
-        cnt = _counters(x2.device, grid[0] * grid[2])
-    else:
-        ws = cnt = out
+    ws, cnt = split_k_buffers(x2, cfg.split_k, n, grid[0] * grid[2], out)
     _w4a16_gemv_kernel[grid](x2, w.qweight, w.scales, w.global_scale, out, ws, cnt,
                              m, n, k, w.qweight.stride(-2), w.scales.stride(-2), x2.stride(0), out.stride(0),
                              GEMV_ACC_FACTOR, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUPS=cfg.groups,

@@ -48,7 +48,7 @@ import triton.language as tl
 from .layouts import NVFP4_GLOBAL_FOLD, PreparedFP4Weight
 from .rounding import _cast_out
 from .tiling import split_k_for
-from .w4a16_gemv import _counters, _load_sw, _load_w
+from .w4a16_gemv import _load_sw, _load_w, asm_ready_activations, check_dense_nvfp4, split_k_buffers
 
 STEP_K = 128                    # K per warp step: 4 groups of 32, one per lane of a quad
 _STEP_K = tl.constexpr(STEP_K)
@@ -416,8 +416,7 @@ def launch_mma_gemv(x2: torch.Tensor, w: PreparedFP4Weight, cfg: MmaGemvConfig, 
     """Run one config. x2 [M, K] bf16 with unit inner stride; out [M, N] bf16 with unit inner stride."""
     m, k = x2.shape
     n = w.n
-    if w.fmt != "nvfp4" or w.num_experts is not None:
-        raise ValueError("the MMA GEMV kernel takes one dense NVFP4 weight")
+    check_dense_nvfp4(w, "MMA GEMV")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the MMA GEMV kernel takes M = 1..{MAX_M} tokens, got {m}; use the tensor-core GEMM")
     if k % STEP_K:
@@ -426,17 +425,9 @@ def launch_mma_gemv(x2: torch.Tensor, w: PreparedFP4Weight, cfg: MmaGemvConfig, 
         raise ValueError(f"MMA GEMV config {cfg}: row_tiles must be 1 or 2 and num_warps 1, 2, 4 or 8")
     use_asm = cfg.asm and not interpret
     if use_asm:
-        if w.qweight.data_ptr() % 16 or w.qweight.stride(-2) % 16 or w.scales.data_ptr() % 2 \
-                or w.scales.stride(-2) % 2:
-            raise ValueError("MMA GEMV: qweight rows must be 16-byte aligned and scale rows 2-byte aligned")
-        if x2.data_ptr() % 16 or x2.stride(0) % 8:
-            x2 = x2.clone(memory_format=torch.contiguous_format)   # 16-byte activation loads
+        x2 = asm_ready_activations(x2, w, "MMA GEMV", row_aligned_codes=True)
     grid = (triton.cdiv(n, 16 * cfg.row_tiles), cfg.split_k)
-    if cfg.split_k > 1:
-        ws = torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32)
-        cnt = _counters(x2.device, grid[0])
-    else:
-        ws = cnt = out
+    ws, cnt = split_k_buffers(x2, cfg.split_k, n, grid[0], out)
     _w4a16_mma_gemv_kernel[grid](x2, w.qweight, w.scales, w.global_scale, out, ws, cnt,
                                  m, n, k, w.qweight.stride(-2), w.scales.stride(-2), x2.stride(0), out.stride(0),
                                  MMA_ACC_FACTOR, ROW_TILES=cfg.row_tiles, TOKEN_TILES=1 if m <= 8 else 2,

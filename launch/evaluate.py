@@ -72,10 +72,6 @@ def evaluate_checkpoint(cfg, ckpt: Path) -> dict:
 
 
 if __name__ == "__main__":
-    from megatron_qrl.errors import present
+    from megatron_qrl.errors import script_main
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_qrl.launch.evaluate")
-    add_arguments(parser)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks (also QRL_DEBUG=1)")
-    cli_args = parser.parse_args()
-    raise SystemExit(present("eval", lambda: run(cli_args), debug=cli_args.debug))
+    raise SystemExit(script_main("eval", "python -m megatron_qrl.launch.evaluate", add_arguments, run))

@@ -1,8 +1,9 @@
 """One typed, validated configuration for a megatron-qrl run.
 
 Loaded from YAML, then dotted CLI overrides (`trainer.tensor_parallel=2`) are applied, then every field
-and every cross-field combination is validated *before* any process group starts. A bad value raises
-`ConfigError` whose message names the field and the fix.
+and every cross-field combination is validated *before* any process group starts: each section checks its
+own fields here, beside them; the rules across sections are megatron_qrl/config_rules.py's, run once every
+section is valid. A bad value raises `ConfigError` whose message names the field and the fix.
 """
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from megatron_qrl.quant.blocks import block_size
-
-
-class ConfigError(ValueError):
-    """An invalid configuration: the message names the field and how to fix it."""
+from .config_rules import ConfigError, at_most, check_world_size, cross_section_errors
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _raise_all(errs: list[str]) -> None:
+    """A section's own rules report every problem at once (config_rules.py holds those across sections)."""
+    if errs:
+        raise ValueError("; ".join(errs))
 
 
 class ModelConfig(_Section):
@@ -59,6 +62,21 @@ class ModelConfig(_Section):
             return model_section_from_hf(data)
         return data
 
+    @model_validator(mode="after")
+    def _shape_rules(self):
+        """Attention heads split into whole query groups and head dims; top-k within the experts."""
+        errs = []
+        if self.num_attention_heads % self.num_query_groups:
+            errs.append(f"model.num_query_groups ({self.num_query_groups}) must divide model.num_attention_heads "
+                        f"({self.num_attention_heads})")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            errs.append(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
+                        f"({self.num_attention_heads}), or set model.kv_channels")
+        if self.num_experts:
+            errs += at_most("model.moe_router_topk", self.moe_router_topk, "model.num_experts", self.num_experts)
+        _raise_all(errs)
+        return self
+
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
@@ -95,6 +113,11 @@ class TrainerConfig(_Section):
     bf16: bool = False
     use_distributed_optimizer: bool = True
     seed: int = 1234
+
+    @model_validator(mode="after")
+    def _lr_range(self):
+        _raise_all(at_most("trainer.min_lr", self.min_lr, "trainer.lr", self.lr))
+        return self
 
 
 class RolloutConfig(_Section):
@@ -240,6 +263,11 @@ class AQNConfig(_Section):
     stages: int = Field(10, ge=3, description="K; stage 0 is noise-free")
     apply_to: Literal["rollout", "both"] = "rollout"
 
+    @model_validator(mode="after")
+    def _decaying(self):
+        _raise_all(at_most("aqn.sigma_end", self.sigma_end, "aqn.sigma_start", self.sigma_start))
+        return self
+
 
 class TraceConfig(_Section):
     """TRACE rollout-guided rounding (METHODS.md section 3)."""
@@ -314,6 +342,12 @@ class DataConfig(_Section):
     countdown_max_number: int = Field(10, ge=1, description="countdown: numbers in [1, max]")
     reward_time_limit_s: float = Field(1.0, ge=0, description="per-sample limit for a user reward fn; 0=off")
 
+    @model_validator(mode="after")
+    def _file_tasks_have_a_path(self):
+        if self.task in ("jsonl", "parquet", "gsm8k", "math") and not self.path:
+            raise ValueError(f"data.task={self.task} reads a local file: set data.path=/path/to/file")
+        return self
+
 
 class RunConfig(_Section):
     output_dir: str = Field("runs/tiny_cpu", description="default: runs/<config file name> (runs/tiny_cpu "
@@ -339,7 +373,7 @@ class RunConfig(_Section):
 
 
 class QRLConfig(_Section):
-    """The whole run. Cross-field checks live here."""
+    """The whole run: each section checks its own fields; the rules across sections are config_rules.py's."""
 
     model: ModelConfig = ModelConfig()
     quant: QuantConfig = QuantConfig()
@@ -355,142 +389,13 @@ class QRLConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self):
-        m, t = self.model, self.trainer
-        errs = []
-        if m.num_attention_heads % m.num_query_groups:
-            errs.append(f"model.num_query_groups ({m.num_query_groups}) must divide model.num_attention_heads "
-                        f"({m.num_attention_heads})")
-        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-            errs.append(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
-                        f"({m.num_attention_heads}), or set model.kv_channels")
-        if m.num_attention_heads % t.tensor_parallel:
-            errs.append(f"trainer.tensor_parallel ({t.tensor_parallel}) must divide model.num_attention_heads "
-                        f"({m.num_attention_heads}); choose a divisor")
-        if m.num_query_groups % t.tensor_parallel:
-            errs.append(f"trainer.tensor_parallel ({t.tensor_parallel}) must divide model.num_query_groups "
-                        f"({m.num_query_groups}); choose a divisor")
-        if m.num_layers % t.pipeline_parallel:
-            errs.append(f"trainer.pipeline_parallel ({t.pipeline_parallel}) must divide model.num_layers "
-                        f"({m.num_layers})")
-        if m.num_experts:
-            if m.moe_router_topk > m.num_experts:
-                errs.append(f"model.moe_router_topk ({m.moe_router_topk}) must be <= model.num_experts "
-                            f"({m.num_experts})")
-            if m.num_experts % t.expert_parallel:
-                errs.append(f"trainer.expert_parallel ({t.expert_parallel}) must divide model.num_experts "
-                            f"({m.num_experts}); choose a divisor")
-        elif t.expert_parallel > 1:
-            errs.append("trainer.expert_parallel > 1 needs an MoE model: set model.num_experts > 0 "
-                        "or trainer.expert_parallel=1")
-        if not m.num_experts and self.quant.qat and self.quant.format != "bf16" and \
-                self.quant.targets == "routed_experts":
-            errs.append("quant.targets=routed_experts quantizes nothing in a dense model (model.num_experts=0): "
-                        "set quant.targets=all_linears (or quant.qat=false)")
-        if t.sequence_parallel is False and t.tensor_parallel > 1 and m.num_experts:
-            errs.append("trainer.sequence_parallel=false with tensor_parallel > 1 and MoE is not supported by "
-                        "Megatron-Core; set trainer.sequence_parallel=true (or leave it unset)")
-        if t.min_lr > t.lr:
-            errs.append(f"trainer.min_lr ({t.min_lr}) must be <= trainer.lr ({t.lr})")
-        if self.quant.format != "bf16":
-            block = block_size(self.quant.format)
-            for name, size in [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size",
-                               m.moe_ffn_hidden_size), ("model.ffn_hidden_size", m.ffn_hidden_size)]:
-                shard = size // max(1, t.tensor_parallel if name != "model.hidden_size" else 1)
-                if shard % block:
-                    errs.append(f"{name} ({size}, per TP shard {shard}) must be a multiple of the "
-                                f"{self.quant.format} block ({block}) for FP4 QAT; pad it or set quant.format=bf16")
-        errs.extend(self._lora_checks())
-        errs.extend(self._rl_checks())
-        nc = self.trace.num_cached_layers
-        if nc is not None and nc > m.num_layers:
-            errs.append(f"trace.num_cached_layers ({nc}) must be <= model.num_layers ({m.num_layers})")
-        if self.trace.enabled and m.num_experts and not self.r3.enabled:
-            errs.append("trace.enabled with an MoE model needs routing replay: set r3.enabled=true "
-                        "(or trace.enabled=false); see METHODS.md section 3.4")
-        if self.trace.enabled and self.rollout.weights == "bf16":
-            errs.append("trace.enabled needs FP4 rollouts: set rollout.weights=nvfp4 (or trace.enabled=false)")
-        if self.trace.enabled and self.rollout.scheme != "w4a4":
-            errs.append("trace.enabled needs quantized activations: set rollout.scheme=w4a4 "
-                        "(or trace.enabled=false)")
-        if self.aqn.sigma_end > self.aqn.sigma_start:
-            errs.append(f"aqn.sigma_end ({self.aqn.sigma_end}) must be <= aqn.sigma_start ({self.aqn.sigma_start})")
-        if self.rollout.engine == "sglang" and self.trace.enabled:
-            errs.append("rollout.engine=sglang cannot capture TRACE bits (docs/sglang.md); set trace.enabled=false")
-        if self.rollout.max_new_tokens + 8 > m.max_sequence_length:
-            errs.append(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for prompts in "
-                        f"model.max_sequence_length ({m.max_sequence_length}); raise the latter")
-        if self.data.task in ("jsonl", "parquet", "gsm8k", "math") and not self.data.path:
-            errs.append(f"data.task={self.data.task} reads a local file: set data.path=/path/to/file")
-        if not m.hf_path and (self.data.chat_template or self.data.system_prompt or self.data.chat_template_kwargs):
-            errs.append("data.chat_template / system_prompt / chat_template_kwargs need a tokenizer with a chat "
-                        "template: set model.hf_path to a Hugging Face model directory (the default character "
-                        "tokenizer has none)")
-        if errs:
-            raise ValueError("; ".join(errs))
+        """Once every section is valid on its own: the rules across sections (config_rules.py)."""
+        _raise_all(cross_section_errors(self))
         return self
-
-    def _lora_checks(self) -> list[str]:
-        """LoRA mode: the engine runs the trainer's frozen base bytes, so the formats must agree (docs/lora.md)."""
-        lo, q = self.lora, self.quant
-        if not lo.enabled:
-            return []
-        errs = []
-        if self.rollout.weights != lo.base_format:
-            errs.append(f"lora.base_format ({lo.base_format}) must equal rollout.weights ({self.rollout.weights}): "
-                        "the engine runs the trainer's frozen base bytes; set both to the same format")
-        if lo.base_format == "bf16" and q.qat and q.format != "bf16":
-            errs.append("lora.base_format=bf16 has no FP4 weights to train against: set quant.qat=false")
-        if lo.base_format != "bf16" and q.qat and q.format not in ("bf16", lo.base_format):
-            errs.append(f"quant.format ({q.format}) must equal lora.base_format ({lo.base_format}): with LoRA, "
-                        "quant.qat only fake-quantizes activations of the FP4 base's GEMM (its weights are FP4 "
-                        "already)")
-        if self.rollout.engine != "embedded" or self.rollout.placement != "colocated":
-            errs.append("lora.enabled shares the frozen base with an in-process embedded engine: set "
-                        "rollout.engine=embedded and rollout.placement=colocated")
-        if lo.base_format != "bf16":
-            block = block_size(lo.base_format)
-            m, tp = self.model, self.trainer.tensor_parallel
-            for name, size in [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size",
-                               m.moe_ffn_hidden_size), ("model.ffn_hidden_size", m.ffn_hidden_size)]:
-                shard = size // (tp if name != "model.hidden_size" else 1)
-                if shard % block:
-                    errs.append(f"{name} ({size}, per TP shard {shard}) must be a multiple of the {lo.base_format} "
-                                f"block ({block}) for a packed LoRA base; pad it or set lora.base_format=bf16")
-        return errs
-
-    def _rl_checks(self) -> list[str]:
-        """Combinations of the rl section with the rollout that cannot work (docs/rl.md)."""
-        rl, ro = self.rl, self.rollout
-        errs = []
-        if rl.overlong_buffer_len >= ro.max_new_tokens:
-            errs.append(f"rl.overlong_buffer_len ({rl.overlong_buffer_len}) must be < rollout.max_new_tokens "
-                        f"({ro.max_new_tokens}): the penalty ramps over the last overlong_buffer_len tokens before "
-                        "the limit; lower it (0 = off)")
-        if rl.dynamic_sampling.enabled and ro.group_size < 2:
-            errs.append("rl.dynamic_sampling.enabled needs rollout.group_size >= 2: a group of one response "
-                        "always has equal rewards and would always be dropped")
-        if rl.dynamic_sampling.enabled and ro.placement == "disaggregated" and ro.engine == "embedded":
-            errs.append("rl.dynamic_sampling.enabled is not supported with rollout.placement=disaggregated and "
-                        "rollout.engine=embedded (the engine ranks draw and trace one batch per step); use "
-                        "rollout.placement=colocated or rollout.engine=sglang, or set "
-                        "rl.dynamic_sampling.enabled=false")
-        return errs
-
-    def model_parallel_size(self) -> int:
-        return self.trainer.tensor_parallel * self.trainer.pipeline_parallel
 
     def check_world_size(self, world_size: int) -> None:
         """Fail before process groups start when the layout cannot tile the world."""
-        t = self.trainer
-        mp = t.tensor_parallel * t.pipeline_parallel
-        if world_size % mp:
-            raise ConfigError(f"trainer.tensor_parallel*trainer.pipeline_parallel ({mp}) must divide the number "
-                              f"of trainer ranks ({world_size}); change the layout or the process count")
-        dp = world_size // mp
-        if (dp * t.tensor_parallel) % (t.expert_parallel * t.expert_tensor_parallel):
-            raise ConfigError(f"trainer.expert_parallel*trainer.expert_tensor_parallel "
-                              f"({t.expert_parallel * t.expert_tensor_parallel}) must divide data*tensor parallel "
-                              f"({dp * t.tensor_parallel}) with {world_size} ranks")
+        check_world_size(self, world_size)
 
     def cached_layers(self) -> list[int]:
         """Indices of the layers whose activation rounding TRACE caches (the deepest ones)."""
@@ -546,21 +451,27 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     """YAML file (optional) + dotted overrides -> validated QRLConfig."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist; pass --config configs/tiny_cpu.yaml or another "
-                              "file under configs/")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(_yaml_error(p, err)) from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, trainer:, ...)")
-        data = loaded
+        data = read_config_file(path)
         run = data.setdefault("run", {})
         if isinstance(run, dict) and "output_dir" not in run:   # one directory per config, not one for all
-            run["output_dir"] = f"runs/{p.stem}"
+            run["output_dir"] = f"runs/{Path(path).stem}"
     return from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The raw sections of a YAML config file (not validated yet); a missing file, a YAML syntax error or a
+    file that is no mapping of sections is a ConfigError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist; pass --config configs/tiny_cpu.yaml or another "
+                          "file under configs/")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(_yaml_error(p, err)) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, trainer:, ...)")
+    return loaded
 
 
 def _yaml_error(path: Path, err: yaml.YAMLError) -> str:

@@ -174,3 +174,14 @@ def present(command: str, body: Callable[[], object], debug: Optional[bool] = No
             signal.signal(signal.SIGTERM, previous)
         if "megatron_qrl.platform.distributed" in sys.modules:   # process groups this command started
             sys.modules["megatron_qrl.platform.distributed"].teardown()
+
+
+def script_main(command: str, prog: str, add_arguments: Callable, run: Callable) -> int:
+    """`python -m megatron_qrl.launch.<script>`: parse the command's arguments (+ --debug) and present(run)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog)
+    add_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also QRL_DEBUG=1)")
+    args = parser.parse_args()
+    return present(command, lambda: run(args), debug=args.debug)

@@ -263,35 +263,49 @@ def _guided_pairs(torch, dtype, seed):
     return out
 
 
+def _guided_grid(torch, seed):
+    """(dtype name, family, rollout x, trainer x) for every dtype and guided-replay input family."""
+    for dt in DTYPES:
+        for name, (xr, xt) in _guided_pairs(torch, getattr(torch, dt), seed=seed).items():
+            yield dt, name, xr, xt
+
+
+def _guided_replay_matches(fake_quant, fmt, xt, guide, guide_dev, shift, label, **kwargs):
+    """The kernel's TRACE replay of xt (guide_dev: the guide on the kernel's device) equals the reference's, with
+    the same fallback stats; returns (the kernel's result, the reference's stats)."""
+    from megatron_qrl.quant import quant_dequant
+    st_got, st_ref = {}, {}
+    got = fake_quant(xt.to(guide_dev.bits.device), guide_dev, fallback_shift=shift, stats=st_got, **kwargs)
+    _assert_equal(got[0] if isinstance(got, tuple) else got,
+                  quant_dequant(xt, fmt, guide=guide, fallback_shift=shift, stats=st_ref), label)
+    assert st_got == st_ref, (st_got, st_ref)
+    return got, st_ref
+
+
 @check
 def nvfp4_fake_quant(dev):
     """Nearest (computed or given scales) and guided replay, several fallback shifts; fallback counts."""
     import torch
     from megatron_qrl.kernels.fp4_fake_quant import nvfp4_fake_quant_triton
     from megatron_qrl.quant import GuidedRounding, nvfp4_dequantize, nvfp4_quantize, quant_dequant
-    for dt in DTYPES:
-        dtype = getattr(torch, dt)
-        for name, (xr, xt) in _guided_pairs(torch, dtype, seed=7).items():
-            _assert_equal(nvfp4_fake_quant_triton(xt.to(dev)), quant_dequant(xt, "nvfp4"), f"{dt}/{name} nearest")
-            p, s, gs, b = nvfp4_quantize(xr, capture=True)
-            _assert_equal(nvfp4_fake_quant_triton(xt.to(dev), scales=s.to(dev), global_scale=gs.to(dev)),
-                          nvfp4_dequantize(*nvfp4_quantize(xt, gs, scales=s), dtype=dtype),
-                          f"{dt}/{name} nearest given scales")
-            guide = GuidedRounding(bits=b, scales=s, global_scale=gs)
-            guide_dev = GuidedRounding(bits=b.to(dev), scales=s.to(dev), global_scale=gs.to(dev))
-            for shift in ((0.25, 0.1, -0.2, 0.6, -0.75) if dt == "float32" else (0.25, -0.2)):
-                st_got, st_ref = {}, {}
-                got, count = nvfp4_fake_quant_triton(xt.to(dev), guide_dev, fallback_shift=shift, stats=st_got,
-                                                     return_fallback=True)
-                ref = quant_dequant(xt, "nvfp4", guide=guide, fallback_shift=shift, stats=st_ref)
-                _assert_equal(got, ref, f"{dt}/{name} guided shift={shift}")
-                assert st_got == st_ref, (st_got, st_ref)
-                assert int(count) == st_ref["guided_fallback"]
-            # the rollout's own tensor replays onto itself without a single fallback
-            st = {}
-            _assert_equal(nvfp4_fake_quant_triton(xr.to(dev), guide_dev, stats=st), quant_dequant(xr, "nvfp4"),
-                          f"{dt}/{name} self-replay")
-            assert st["guided_fallback"] == 0, st
+    for dt, name, xr, xt in _guided_grid(torch, seed=7):
+        _assert_equal(nvfp4_fake_quant_triton(xt.to(dev)), quant_dequant(xt, "nvfp4"), f"{dt}/{name} nearest")
+        p, s, gs, b = nvfp4_quantize(xr, capture=True)
+        _assert_equal(nvfp4_fake_quant_triton(xt.to(dev), scales=s.to(dev), global_scale=gs.to(dev)),
+                      nvfp4_dequantize(*nvfp4_quantize(xt, gs, scales=s), dtype=xt.dtype),
+                      f"{dt}/{name} nearest given scales")
+        guide = GuidedRounding(bits=b, scales=s, global_scale=gs)
+        guide_dev = GuidedRounding(bits=b.to(dev), scales=s.to(dev), global_scale=gs.to(dev))
+        for shift in ((0.25, 0.1, -0.2, 0.6, -0.75) if dt == "float32" else (0.25, -0.2)):
+            (_, count), st_ref = _guided_replay_matches(nvfp4_fake_quant_triton, "nvfp4", xt, guide, guide_dev,
+                                                        shift, f"{dt}/{name} guided shift={shift}",
+                                                        return_fallback=True)
+            assert int(count) == st_ref["guided_fallback"]
+        # the rollout's own tensor replays onto itself without a single fallback
+        st = {}
+        _assert_equal(nvfp4_fake_quant_triton(xr.to(dev), guide_dev, stats=st), quant_dequant(xr, "nvfp4"),
+                      f"{dt}/{name} self-replay")
+        assert st["guided_fallback"] == 0, st
 
 
 @check
@@ -332,21 +346,16 @@ def mxfp4_fake_quant(dev):
     import torch
     from megatron_qrl.kernels.fp4_fake_quant import mxfp4_fake_quant_triton
     from megatron_qrl.quant import GuidedRounding, mxfp4_dequantize, mxfp4_quantize, quant_dequant
-    for dt in DTYPES:
-        dtype = getattr(torch, dt)
-        for name, (xr, xt) in _guided_pairs(torch, dtype, seed=11).items():
-            _assert_equal(mxfp4_fake_quant_triton(xt.to(dev)), quant_dequant(xt, "mxfp4"), f"{dt}/{name} nearest")
-            p, s, b = mxfp4_quantize(xr, capture=True)
-            _assert_equal(mxfp4_fake_quant_triton(xt.to(dev), scales=s.to(dev)),
-                          mxfp4_dequantize(*mxfp4_quantize(xt, scales=s), dtype=dtype), f"{dt}/{name} given scales")
-            guide = GuidedRounding(bits=b, scales=s)
-            for shift in ((0.25, -0.3) if name in ("outliers", "tiny_blocks") else (0.25,)):
-                st_got, st_ref = {}, {}
-                got = mxfp4_fake_quant_triton(xt.to(dev), GuidedRounding(bits=b.to(dev), scales=s.to(dev)),
-                                              shift, stats=st_got, rows_first=(shift > 0))
-                _assert_equal(got, quant_dequant(xt, "mxfp4", guide=guide, fallback_shift=shift, stats=st_ref),
-                              f"{dt}/{name} guided shift={shift}")
-                assert st_got == st_ref, (st_got, st_ref)
+    for dt, name, xr, xt in _guided_grid(torch, seed=11):
+        _assert_equal(mxfp4_fake_quant_triton(xt.to(dev)), quant_dequant(xt, "mxfp4"), f"{dt}/{name} nearest")
+        p, s, b = mxfp4_quantize(xr, capture=True)
+        _assert_equal(mxfp4_fake_quant_triton(xt.to(dev), scales=s.to(dev)),
+                      mxfp4_dequantize(*mxfp4_quantize(xt, scales=s), dtype=xt.dtype), f"{dt}/{name} given scales")
+        guide = GuidedRounding(bits=b, scales=s)
+        guide_dev = GuidedRounding(bits=b.to(dev), scales=s.to(dev))
+        for shift in ((0.25, -0.3) if name in ("outliers", "tiny_blocks") else (0.25,)):
+            _guided_replay_matches(mxfp4_fake_quant_triton, "mxfp4", xt, guide, guide_dev, shift,
+                                   f"{dt}/{name} guided shift={shift}", rows_first=(shift > 0))
 
 
 @check

@@ -36,13 +36,21 @@ def console():
     warnings.showwarning = saved[3]
 
 
-def test_rank0_shows_our_lines_and_useful_library_warnings_but_not_the_noise(console):
-    out = console(rank=0)
+def _emit_mixed_lines():
+    """What a run's ranks log: our info and warning lines, library warnings worth showing, and library noise."""
     logging.getLogger("megatron_qrl.run").info("step 1/2: reward 0.5")
+    logging.getLogger("megatron_qrl.pipeline.guards").warning("engine restarted")
     logging.getLogger("megatron.core.models.gpt.gpt_model").warning("GPTModel IS DEPRECATED. GPTModel is only ...")
     logging.getLogger("megatron.core.x").warning("a real problem")
+    logging.getLogger("megatron.core.x").warning("library warning")
     warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning)
     warnings.warn("something a user should know", UserWarning)
+    warnings.warn("a library's UserWarning", UserWarning)
+
+
+def test_rank0_shows_our_lines_and_useful_library_warnings_but_not_the_noise(console):
+    out = console(rank=0)
+    _emit_mixed_lines()
     text = out.getvalue()
     assert "step 1/2: reward 0.5" in text and text.startswith("[qrl ")
     assert "warning (megatron.core.x): a real problem" in text and "something a user should know" in text
@@ -51,10 +59,7 @@ def test_rank0_shows_our_lines_and_useful_library_warnings_but_not_the_noise(con
 
 def test_other_ranks_show_only_warnings_and_errors_of_ours(console):
     out = console(rank=1)
-    logging.getLogger("megatron_qrl.run").info("step 1/2")
-    logging.getLogger("megatron_qrl.pipeline.guards").warning("engine restarted")
-    logging.getLogger("megatron.core.x").warning("library warning")
-    warnings.warn("a library's UserWarning", UserWarning)
+    _emit_mixed_lines()
     text = out.getvalue()
     assert "step 1/2" not in text and "library" not in text
     assert "[qrl rank 1 " in text and "warning: engine restarted" in text

@@ -24,6 +24,17 @@ CLOSE = {"train/loss": 1e-5, "mismatch/logp_abs_diff": 1e-5, "ais/alpha": 1e-4, 
 
 
 
+def assert_same_metrics(ref: list, got: list, exact=EXACT, close=CLOSE, rel=None, skip_missing=False) -> None:
+    """Step by step, the `exact` metrics equal and each `close` one within its absolute tolerance (and `rel`);
+    skip_missing: a `close` metric the reference step lacks is not compared."""
+    for r, m in zip(ref, got):
+        for k in exact:
+            assert m[k] == r[k], k
+        for k, tol in close.items():
+            if k in r or not skip_missing:
+                assert m[k] == pytest.approx(r[k], rel=rel, abs=tol), k
+
+
 def _train(out: Path, steps: int, nproc: int = 1, extra=(), env_extra=None, check=True):
     args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"run.output_dir={out}",
             f"run.total_steps={steps}", "run.checkpoint_every=1", *OVERRIDES, *extra]
@@ -49,11 +60,7 @@ def reference(tmp_path_factory):
 def test_two_data_parallel_processes_match_one(reference, tmp_path):
     dp = _train(tmp_path / "dp2", steps=3, nproc=2)
     assert [m["step"] for m in dp] == [0, 1, 2]
-    for ref, got in zip(reference, dp):
-        for k in EXACT:
-            assert got[k] == ref[k], k
-        for k, tol in CLOSE.items():
-            assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=tol), k
+    assert_same_metrics(reference, dp, rel=1e-4)
 
 
 def test_stopped_run_resumes_and_continues_the_metrics_stream(reference, tmp_path):
@@ -221,12 +228,7 @@ def test_colocated_sharded_trainer_matches_one_process(w4a16_from_checkpoint, la
     (platform.engine_world) and generates a share of the prompts."""
     init, ref = w4a16_from_checkpoint
     got = _train(tmp_path / "colocated_sharded", steps=2, nproc=2, extra=init + [layout])
-    for r, m in zip(ref, got):
-        for k in EXACT:
-            assert m[k] == r[k], k
-        for k, tol in CLOSE.items():
-            if k in r:
-                assert m[k] == pytest.approx(r[k], abs=tol), k
+    assert_same_metrics(ref, got, skip_missing=True)
 
 
 def test_colocated_sharded_trainer_refuses_lora(tmp_path):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from test_loop import DISAGG, _train
+from test_loop import DISAGG, _train, assert_same_metrics
 
 FEATURES = ["rl.kl_coef=0.05", "rl.dynamic_sampling.enabled=true", "rl.dynamic_sampling.max_generate_calls=3",
             "rl.overlong_buffer_len=2", "rl.loss_agg_mode=seq-mean-token-mean", "rl.is_level=geo"]
@@ -40,11 +40,7 @@ def test_features_are_logged_and_the_reference_is_the_initial_policy(single):
 
 def test_features_two_data_parallel_processes_match_one(single, tmp_path):
     got = _train(tmp_path / "dp2", steps=3, nproc=2, extra=FEATURES)
-    for ref, m in zip(single[1], got):
-        for k in EXACT:
-            assert m[k] == ref[k], k
-        for k, tol in CLOSE.items():
-            assert m[k] == pytest.approx(ref[k], rel=1e-3, abs=tol), k
+    assert_same_metrics(single[1], got, EXACT, CLOSE, rel=1e-3)
 
 
 def test_a_resumed_run_reloads_the_reference_from_its_step0_checkpoint(single, tmp_path):

@@ -26,31 +26,13 @@ from megatron_qrl.rollout.sglang.disaggregated import FLATTENED_BUCKET
 from megatron_qrl.rollout.sglang.launch_args import engine_server_args, launch_server_argv
 from megatron_qrl.rollout.sglang.payloads import ORIGINAL_LOGPROB_ENV, generate_request
 from megatron_qrl.rollout.sglang.quantization import UnsupportedQuantization
-from megatron_qrl.rollout.sglang.release import SGLANG_VERSION, ReleaseSource, fetch_pinned_wheel
+from megatron_qrl.rollout.sglang.release import SGLANG_VERSION
 from megatron_qrl.rollout.sglang.server_client import ServerClient
 from megatron_qrl.rollout.sglang.wire import BucketMeta, split_buckets, wire_tensors
-
-
-@pytest.fixture(scope="module")
-def release() -> ReleaseSource:
-    try:
-        return ReleaseSource(fetch_pinned_wheel())
-    except RuntimeError as e:
-        pytest.fail(f"SGLang contract tests cannot run without the pinned wheel:\n{e}")
+from sglang_release_ast import class_node as _class, release, tree as _tree  # noqa: F401 (release: a fixture)
 
 
 # ------------------------------------------------------------------------------------ ast readers
-def _tree(release, path):
-    return ast.parse(release.read(path))
-
-
-def _class(tree, name) -> ast.ClassDef:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            return node
-    raise AssertionError(f"class {name} not found")
-
-
 def class_fields(release, path, name) -> set[str]:
     """Annotated attributes of a dataclass / msgspec Struct body."""
     return {n.target.id for n in _class(_tree(release, path), name).body

@@ -23,32 +23,14 @@ from megatron_qrl.convert import qwen3_moe
 from megatron_qrl.rollout.sglang.custom_loader import CUSTOM_WEIGHT_LOADERS
 from megatron_qrl.rollout.sglang.fp4_layouts import (LAYOUTS, MODELOPT_FP4_LINEAR, MODELOPT_NVFP4_FUSED_MOE,
                                                      UNSUPPORTED)
-from megatron_qrl.rollout.sglang.release import ReleaseSource, fetch_pinned_wheel
+from sglang_release_ast import class_node, release, tree  # noqa: F401 (release: a fixture)
 
 MODELOPT = "srt/layers/quantization/modelopt_quant.py"
 MARLIN_FP4 = "srt/layers/quantization/marlin_utils_fp4.py"
 MODEL_RUNNER = "srt/model_executor/model_runner.py"
 
 
-@pytest.fixture(scope="module")
-def release() -> ReleaseSource:
-    try:
-        return ReleaseSource(fetch_pinned_wheel())
-    except RuntimeError as e:
-        pytest.fail(f"SGLang contract tests cannot run without the pinned wheel:\n{e}")
-
-
 # ------------------------------------------------------------------------------------------ ast readers
-def tree(release, path):
-    return ast.parse(release.read(path))
-
-
-def class_node(t, name) -> ast.ClassDef:
-    found = [n for n in ast.walk(t) if isinstance(n, ast.ClassDef) and n.name == name]
-    assert found, f"class {name} not found"
-    return found[0]
-
-
 def function(node, name):
     found = [n for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
     assert found, f"function {name} not found"

@@ -14,14 +14,7 @@ from megatron_qrl.trace import (CorruptCacheError, EntryCut, EntryKey, GuideProv
                                 validate)
 from megatron_qrl.trace.synthetic import make_rollout
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # this CPU torch is very slow at small advanced-indexing ops with >1 intra-op thread
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from one_thread import one_intra_op_thread  # noqa: F401 (an autouse fixture)
 
 
 @pytest.fixture(scope="module")

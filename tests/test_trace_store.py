@@ -8,13 +8,7 @@ from megatron_qrl.config import from_dict
 from megatron_qrl.trace import CorruptCacheError, TraceBudgetError, TraceStore, plan
 from megatron_qrl.trace.synthetic import make_rollout
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from one_thread import one_intra_op_thread  # noqa: F401 (an autouse fixture)
 
 
 def _cfg(**trace):

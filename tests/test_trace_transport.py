@@ -9,16 +9,9 @@ from megatron_qrl.trace import (EntryKey, ShardSpec, TraceCache, TraceMetrics, d
 from megatron_qrl.trace.synthetic import make_rollout
 
 from launch_ranks import run_ranks
+from one_thread import one_intra_op_thread  # noqa: F401 (an autouse fixture)
 
 SCRIPT = Path(__file__).parent / "dist" / "trace_transport.py"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

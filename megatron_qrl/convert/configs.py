@@ -8,26 +8,18 @@ dist checkpoint it reads or writes is layout-independent.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterable, Optional
 
-import yaml
-
-from megatron_qrl.config import ConfigError, QRLConfig, apply_overrides, from_dict
+from megatron_qrl.config import ConfigError, QRLConfig, apply_overrides, from_dict, read_config_file
 
 from .errors import ConvertError
 
 
 def _user_data(config_path: Optional[str], overrides: Iterable[str]) -> dict:
-    data: dict = {}
-    if config_path is not None:
-        p = Path(config_path)
-        if not p.is_file():
-            raise ConvertError(f"config file '{p}' does not exist; pass an existing YAML (e.g. configs/tiny_cpu.yaml) "
-                               "or leave out --config")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConvertError(f"config file '{p}' must hold a mapping of sections (model:, quant:, ...)")
+    try:
+        data = read_config_file(config_path) if config_path is not None else {}
+    except ConfigError as e:   # a conversion's errors are ConvertErrors
+        raise ConvertError(str(e)) from None
     return apply_overrides(data, list(overrides))
 
 

@@ -15,11 +15,11 @@ import torch
 
 from megatron_qrl.logging import progress_bar
 
-from . import qwen3_moe
 from .configs import config_from_manifest, single_process
 from .errors import ConvertError
 from .hf_config import config_dtype, copy_side_files, output_config, with_dtype
 from .mcore_io import build_unsharded_model, load_model_checkpoint, manifest_of
+from .qwen3_moe import TensorRule, check_supported, split, tensor_rules
 from .safetensors_io import ShardedSafetensorsWriter, parse_size
 from .staging import require_new_output, staged_output
 
@@ -27,7 +27,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 # (rule, Megatron parameter) -> [(HF tensor name, tensor)]: how one parameter is written
-TensorEmitter = Callable[[qwen3_moe.TensorRule, torch.Tensor], list]
+TensorEmitter = Callable[[TensorRule, torch.Tensor], list]
 
 
 def dtype_name(name: Optional[str]) -> Optional[str]:
@@ -45,7 +45,7 @@ def checkpoint_config(checkpoint: str | Path, config: Optional[str] = None, over
     checkpoint = Path(checkpoint).absolute()
     manifest = manifest_of(checkpoint)
     cfg = config_from_manifest(manifest, f"'{checkpoint}/manifest.json'", config, overrides)
-    qwen3_moe.check_supported(cfg.model)
+    check_supported(cfg.model)
     return cfg
 
 
@@ -65,7 +65,7 @@ def load_checkpoint_model(checkpoint: str | Path, cfg=None):
 def plain_emitter(m, dtype: torch.dtype) -> TensorEmitter:
     """HF tensors of a parameter in high precision (cast to the output dtype)."""
     def emit(rule, param):
-        return [(name, t.to(dtype)) for name, t in zip(rule.hf, qwen3_moe.split(rule, param, m))]
+        return [(name, t.to(dtype)) for name, t in zip(rule.hf, split(rule, param, m))]
 
     return emit
 
@@ -75,7 +75,7 @@ def write_hf_tensors(model, m, directory: Path, emit: TensorEmitter, max_shard_s
     """Stream every parameter's HF tensors into safetensors shards; returns the files written."""
     params = dict(model.named_parameters())
     writer = ShardedSafetensorsWriter(directory, parse_size(max_shard_size))
-    for rule in progress_bar(qwen3_moe.tensor_rules(m), desc=desc, unit="tensor"):
+    for rule in progress_bar(tensor_rules(m), desc=desc, unit="tensor"):
         for name, tensor in emit(rule, params[rule.mcore].detach()):
             writer.add(name, tensor)
     return writer.close()

@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from . import qwen3_moe
 from .errors import ConvertError
+from .qwen3_moe import DERIVED_FIELDS, hf_config_from_model, model_fields_from_hf
 
 STORED_CONFIG = "hf_config.json"       # the source config.json, kept inside converted checkpoints
 STORED_FILES = "hf_files"              # ... and its side files (tokenizer, chat template, generation config)
@@ -79,11 +79,11 @@ def output_config(checkpoint: Path, model_cfg, hf_config: Optional[str],
                                "gets its config, tokenizer and generation config")
         base, side_dir, origin = read_hf_config(trained_from), Path(trained_from), f"model.hf_path {trained_from}"
     else:
-        return qwen3_moe.hf_config_from_model(model_cfg), None
-    fields = qwen3_moe.model_fields_from_hf(base)
+        return hf_config_from_model(model_cfg), None
+    fields = model_fields_from_hf(base)
     mine = model_cfg.model_dump()
     mine["kv_channels"] = model_cfg.head_dim
-    diff = [f"{k} ({fields[k]!r} vs checkpoint {mine[k]!r})" for k in qwen3_moe.DERIVED_FIELDS if fields[k] != mine[k]]
+    diff = [f"{k} ({fields[k]!r} vs checkpoint {mine[k]!r})" for k in DERIVED_FIELDS if fields[k] != mine[k]]
     if diff:
         raise ConvertError(f"{origin} describes another model than the checkpoint: {', '.join(diff)}; pass the "
                            "config.json of the model this checkpoint was converted from, or leave out --hf-config")

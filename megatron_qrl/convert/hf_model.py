@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import qwen3_moe
 from .errors import ConvertError
 from .hf_config import read_hf_config
+from .qwen3_moe import DERIVED_FIELDS, model_fields_from_hf
 
 HF_PATH_FIELD = "hf_path"
 
@@ -38,10 +38,10 @@ def model_section_from_hf(section: dict) -> dict:
     a max_sequence_length beyond the model's context."""
     path = check_model_dir(section[HF_PATH_FIELD])
     try:
-        fields = qwen3_moe.model_fields_from_hf(read_hf_config(path))
+        fields = model_fields_from_hf(read_hf_config(path))
     except ConvertError as e:
         raise ConvertError(f"model.hf_path '{path}': {e}") from None
-    fixed = set(qwen3_moe.DERIVED_FIELDS)
+    fixed = set(DERIVED_FIELDS)
     conflicts = [f"model.{k}: {path}/config.json has {fields[k]!r}, the config says {section[k]!r}"
                  for k in sorted(fixed) if section.get(k) is not None and section[k] != fields[k]]
     if conflicts:

@@ -16,11 +16,12 @@ import torch
 
 from megatron_qrl.logging import progress_bar
 
-from . import qwen3_moe
 from .configs import conversion_config, single_process
 from .errors import ConvertError
 from .hf_config import STORED_CONFIG, STORED_FILES, copy_side_files, read_hf_config
 from .mcore_io import build_unsharded_model, save_model_checkpoint
+from .qwen3_moe import (DERIVED_FIELDS, IGNORED_SUFFIXES, architecture, hf_shapes, merge, model_fields_from_hf,
+                        tensor_rules)
 from .safetensors_io import SafetensorsReader
 from .staging import require_new_output, staged_output
 
@@ -35,8 +36,8 @@ def _examples(names, n: int = 4) -> str:
 
 def check_hf_tensors(reader: SafetensorsReader, rules: list, m, src: Path) -> None:
     """Missing / unexpected tensors, shapes, dtypes: one clear error per kind of problem."""
-    expected = {name: shape for r in rules for name, shape in zip(r.hf, qwen3_moe.hf_shapes(r, m))}
-    present = {n: i for n, i in reader.info.items() if not n.endswith(qwen3_moe.IGNORED_SUFFIXES)}
+    expected = {name: shape for r in rules for name, shape in zip(r.hf, hf_shapes(r, m))}
+    present = {n: i for n, i in reader.info.items() if not n.endswith(IGNORED_SUFFIXES)}
     shape_hint = (f"config.json says num_hidden_layers={m.num_layers}, num_experts={m.num_experts}, "
                   f"tie_word_embeddings={not m.untie_embeddings_and_output_weights}")
     extra = set(present) - set(expected)
@@ -76,7 +77,7 @@ def fill_model(model, reader: SafetensorsReader, rules: list, m) -> None:
     """Copy the HF tensors into the model's parameters, one rule (a few tensors) at a time."""
     params = dict(model.named_parameters())
     for rule in progress_bar(rules, desc="hf-to-mcore", unit="tensor"):
-        value = qwen3_moe.merge(rule, [reader.get(n) for n in rule.hf], m)
+        value = merge(rule, [reader.get(n) for n in rule.hf], m)
         params[rule.mcore].copy_(value)
 
 
@@ -88,9 +89,9 @@ def hf_to_mcore(src: str | Path, dst: str | Path, config: Optional[str] = None,
         raise ConvertError(f"source '{src}' is not a directory; pass a Hugging Face checkpoint directory "
                            "(config.json + *.safetensors)")
     hf = read_hf_config(src)
-    fields = qwen3_moe.model_fields_from_hf(hf)
-    cfg = conversion_config(fields, f"'{src}/config.json'", config, overrides, fixed=qwen3_moe.DERIVED_FIELDS)
-    rules = qwen3_moe.tensor_rules(cfg.model)
+    fields = model_fields_from_hf(hf)
+    cfg = conversion_config(fields, f"'{src}/config.json'", config, overrides, fixed=DERIVED_FIELDS)
+    rules = tensor_rules(cfg.model)
     with SafetensorsReader(src) as reader:
         check_hf_tensors(reader, rules, cfg.model, src)
         all_bf16 = all(reader.info[n].dtype == torch.bfloat16 for r in rules for n in r.hf)
@@ -99,7 +100,7 @@ def hf_to_mcore(src: str | Path, dst: str | Path, config: Optional[str] = None,
         fill_model(model, reader, rules, cfg.model)
     with staged_output(dst) as tmp:
         save_model_checkpoint(model, cfg, tmp, {"source": {"format": "hf", "path": str(src.absolute()),
-                                                           "architecture": qwen3_moe.architecture(cfg.model)}})
+                                                           "architecture": architecture(cfg.model)}})
         (tmp / STORED_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         copy_side_files(src, tmp / STORED_FILES)   # tokenizer, chat template, generation config: for exports
     return dst

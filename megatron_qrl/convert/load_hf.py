@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import qwen3_moe
 from .errors import ConvertError
 from .import_hf import check_hf_tensors
+from .qwen3_moe import merge, tensor_rules
 from .safetensors_io import SafetensorsReader
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -70,7 +70,7 @@ def load_hf_weights(trainer, hf_dir: str | Path) -> int:
                            "with `qrl convert hf-to-mcore` and start from run.init_checkpoint, or set "
                            "lora.enabled=false")
     m = cfg.model
-    rules = {r.mcore: r for r in qwen3_moe.tensor_rules(m)}
+    rules = {r.mcore: r for r in tensor_rules(m)}
     tied = not m.untie_embeddings_and_output_weights
     chunks = trainer.unwrapped
     gated = bool(chunks[0].config.gated_linear_unit)
@@ -82,7 +82,7 @@ def load_hf_weights(trainer, hf_dir: str | Path) -> int:
             for name, param in chunk.named_parameters():
                 plan.append((name, param, _rule_of(_global_name(name, chunk), rules, tied)))
         for name, param, rule in plan:
-            full = qwen3_moe.merge(rule, [reader.get(n) for n in rule.hf], m)
+            full = merge(rule, [reader.get(n) for n in rule.hf], m)
             part = local_slice(full, param, name, gated)
             if tuple(part.shape) != tuple(param.shape):
                 raise ConvertError(f"'{name}': the HF tensors give {list(part.shape)} on this rank, the model has "

@@ -22,12 +22,12 @@ import torch
 
 from megatron_qrl.quant.blocks import NVFP4_BLOCK as GROUP_SIZE
 
-from . import qwen3_moe
 from .calibration import activation_amax, fixed_amax, random_tokens, read_calibration_tokens
 from .hf_config import copy_side_files, output_config, with_dtype
 from .errors import ConvertError
 from .export_hf import (DTYPES, checkpoint_config, dtype_name, load_checkpoint_model, trained_from,
                         write_hf_tensors)
+from .qwen3_moe import split, tensor_rules
 from .staging import require_new_output, staged_output
 
 FP4_MAX, E4M3_MAX = 6.0, 448.0
@@ -61,9 +61,9 @@ def nvfp4_emitter(m, dtype: torch.dtype, amax: dict):
 
     def emit(rule, param):
         if rule.mcore not in amax:
-            return [(n, t.to(dtype)) for n, t in zip(rule.hf, qwen3_moe.split(rule, param, m))]
+            return [(n, t.to(dtype)) for n, t in zip(rule.hf, split(rule, param, m))]
         fp4 = pack_weight(param, "nvfp4")
-        packed, scales = qwen3_moe.split(rule, fp4.packed, m), qwen3_moe.split(rule, fp4.scales, m)
+        packed, scales = split(rule, fp4.packed, m), split(rule, fp4.scales, m)
         out = []
         for module, p, s in zip(rule.hf_modules(), packed, scales):
             out += [(f"{module}.weight", p), (f"{module}.weight_scale", s),
@@ -76,7 +76,7 @@ def nvfp4_emitter(m, dtype: torch.dtype, amax: dict):
 
 def linear_modules(m) -> list[str]:
     """HF names of the Linear modules of Qwen3-MoE (what ModelOpt's exclude list talks about)."""
-    return [mod for r in qwen3_moe.tensor_rules(m) for mod in r.hf_modules()
+    return [mod for r in tensor_rules(m) for mod in r.hf_modules()
             if mod.endswith(("_proj", "mlp.gate", "lm_head"))]
 
 
@@ -133,7 +133,7 @@ def export_nvfp4(checkpoint: str | Path, out: str | Path, config: Optional[str] 
                 else random_tokens(calib_samples, min(calib_seq_len, m.max_sequence_length), m.vocab_size))
         amax = activation_amax(model, linears, seqs)
     modules = linear_modules(cfg.model)
-    rules = {r.mcore: r for r in qwen3_moe.tensor_rules(cfg.model)}
+    rules = {r.mcore: r for r in tensor_rules(cfg.model)}
     quantized = [mod for name in linears for mod in rules[name].hf_modules()]
     quant = hf_quant_config(exclude_patterns([x for x in modules if x not in set(quantized)], quantized))
     with staged_output(dst) as tmp:

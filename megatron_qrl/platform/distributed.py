@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import cpu
+from .cpu import install as install_cpu_runtime
 from .placement import Placement
 
 
@@ -231,7 +231,7 @@ def seed_everything(seed: int) -> None:
 
 def init_distributed(cfg, layout: Optional[Layout] = None) -> Layout:
     """Start torch.distributed + Megatron groups for `cfg` (or an explicit layout); returns the layout."""
-    cpu.install()
+    install_cpu_runtime()
     init_process_group()
     layout = layout or Layout.from_config(cfg)
     place = Placement.from_config(cfg, dist.get_world_size())

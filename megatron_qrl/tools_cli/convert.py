@@ -6,23 +6,27 @@ import argparse
 from ._common import allow_overrides_after_options, run_command
 
 
+def _direction(sub, name: str, summary: str, description: str, src: str, dst: str) -> argparse.ArgumentParser:
+    """One conversion direction: SRC is read, DST is written and must not exist yet (docs/convert.md)."""
+    parser = sub.add_parser(name, help=summary, description=description)
+    parser.add_argument("src", help=src)
+    parser.add_argument("dst", help=f"{dst} (must not exist)")
+    return parser
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", required=True, metavar="{hf-to-mcore,mcore-to-hf}")
-    a = sub.add_parser("hf-to-mcore", help="Qwen3-MoE / Qwen3 HF safetensors directory -> Megatron dist checkpoint",
-                       description="Convert a Qwen3-MoE or dense Qwen3 Hugging Face checkpoint (config.json + "
-                                   "*.safetensors) into a model-only Megatron dist checkpoint that Trainer.load(path, "
-                                   "load_optimizer=False) reads under any TP/PP/EP layout.")
-    a.add_argument("src", help="HF checkpoint directory")
-    a.add_argument("dst", help="output checkpoint directory (must not exist)")
+    a = _direction(sub, "hf-to-mcore", "Qwen3-MoE / Qwen3 HF safetensors directory -> Megatron dist checkpoint",
+                   "Convert a Qwen3-MoE or dense Qwen3 Hugging Face checkpoint (config.json + *.safetensors) into a "
+                   "model-only Megatron dist checkpoint that Trainer.load(path, load_optimizer=False) reads under "
+                   "any TP/PP/EP layout.", "HF checkpoint directory", "output checkpoint directory")
     a.add_argument("--config", help="run config YAML for the non-architecture sections (quant, trainer, ...)")
     a.add_argument("overrides", nargs="*", help="dotted overrides, e.g. quant.targets=all_linears")
     allow_overrides_after_options(a)
-    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint (any layout) -> Qwen3-MoE / Qwen3 HF directory",
-                       description="Convert a checkpoint written by Trainer.save or `qrl convert hf-to-mcore` into a "
-                                   "Hugging Face Qwen3MoeForCausalLM (or, for num_experts=0, Qwen3ForCausalLM) "
-                                   "directory.")
-    b.add_argument("src", help="checkpoint directory (with manifest.json)")
-    b.add_argument("dst", help="output HF directory (must not exist)")
+    b = _direction(sub, "mcore-to-hf", "Megatron checkpoint (any layout) -> Qwen3-MoE / Qwen3 HF directory",
+                   "Convert a checkpoint written by Trainer.save or `qrl convert hf-to-mcore` into a Hugging Face "
+                   "Qwen3MoeForCausalLM (or, for num_experts=0, Qwen3ForCausalLM) directory.",
+                   "checkpoint directory (with manifest.json)", "output HF directory")
     b.add_argument("--hf-config", help="the source HF directory (or its config.json): config and tokenizer files to "
                                        "write alongside; default: the config stored at conversion time")
     b.add_argument("--dtype", help="weight dtype: bfloat16 | float16 | float32 (default: the source config's)")

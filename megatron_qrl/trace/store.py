@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from megatron_qrl.errors import free_bytes
 
 from .cache import BITS_PER_ELEMENT, TraceCache
 from .errors import TraceBudgetError
@@ -125,22 +126,12 @@ def plan(cfg, tokens_per_step: int, engine_calls: Optional[int] = None) -> Trace
                 f"trace.memory_budget_mb={t.memory_budget_mb:g}. Fix one of: {fix_layers}, "
                 f"trace.memory_budget_mb={math.ceil(needed / MiB)}, or trace.spill_dir=/path/on/local/disk")
         tier = "disk"
-        free = _free_bytes(t.spill_dir)
+        free = free_bytes(t.spill_dir)
         if free is not None and free < needed:
             raise TraceBudgetError(f"TRACE cache spills {needed / MiB:.1f} MiB per step to trace.spill_dir="
                                    f"{t.spill_dir} which has {free / MiB:.1f} MiB free; free space, point "
                                    f"spill_dir elsewhere or set trace.num_cached_layers={fit}")
     return TracePlan(tokens_per_step, n_layers, per_layer, fixed, needed, budget, fit, tier)
-
-
-def _free_bytes(path: str) -> Optional[int]:
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
 
 
 class TraceStore:
