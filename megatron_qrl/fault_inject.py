@@ -14,8 +14,8 @@ where they fire (tests/fault/ and docs/RELIABILITY.md use them):
     The kill_* kinds end the process with SIGKILL (no cleanup, as kill -9 would) at a boundary of step STEP:
     kill_after_metrics     the step's metrics line is written (fsync'd), its checkpoint not begun (logging/metrics.py)
     torn_metrics           half of the step's metrics line is written, then the kill (logging/metrics.py)
-    kill_before_latest     the checkpoint after the step is complete, `latest` not yet moved (pipeline/setup.py)
-    kill_after_checkpoint  the checkpoint is committed (`latest` names it), the next step not begun (setup.py)
+    kill_before_latest     the checkpoint after the step is complete, `latest` not yet moved (pipeline/checkpoints.py)
+    kill_after_checkpoint  the checkpoint is committed (`latest` names it), the next step not begun (checkpoints.py)
 Unset (the normal case) every check is a dictionary lookup that finds nothing.
 """
 from __future__ import annotations

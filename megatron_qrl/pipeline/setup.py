@@ -66,7 +66,7 @@ class RunSetup:
         init_process_group(timeout_minutes=process_group_timeout_minutes(cfg))
         plan = plan_rank(cfg, dist.get_world_size(), dist.get_rank())
         trainer = Trainer(cfg) if plan.trains else None
-        if trainer is None:
+        if not plan.trains:
             init_distributed(cfg)           # the engine rank's one-rank Megatron world
         engine = plan.engines.build(cfg) if plan.engines is not None else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
