@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ..evaluate import evaluate
 from ..rollout_batch import encode_prompts
 from ..wire import all_gather_objects
-from .protocol import RolloutsContext
+from .protocol import SyncingRollouts
 
 
 def engine_share(num_prompts: int, engine_index: int, num_engines: int) -> tuple[int, int]:
@@ -35,14 +35,8 @@ def generate_shard(s, prompts: list, step: int, first_index: int = 0):
     return samples, rollouts
 
 
-class ColocatedRollouts(RolloutsContext):
+class ColocatedRollouts(SyncingRollouts):
     """Every rank runs an engine over its data-parallel share (generate_shard); `weights` is its WeightSync."""
-
-    def __init__(self, s, weights):
-        self.s, self.weights = s, weights
-
-    def sync(self, step: int) -> dict:
-        return self.weights.push(step)
 
     def generate(self, prompts: list, step: int, first_index: int = 0):
         t0 = time.perf_counter()

@@ -51,3 +51,13 @@ class RolloutsContext:
     def __exit__(self, exc_type, exc, tb):
         self.close(exc_type)
         return None
+
+
+class SyncingRollouts(RolloutsContext):
+    """Rollouts whose sync is their WeightSync's push (the run's RunSetup `s`, its WeightSync `weights`)."""
+
+    def __init__(self, s, weights):
+        self.s, self.weights = s, weights
+
+    def sync(self, step: int) -> dict:
+        return self.weights.push(step)

@@ -14,17 +14,11 @@ import torch.distributed as dist
 from ..evaluate import evaluate
 from ..rollout_batch import encode_prompts
 from ..wire import broadcast_object
-from .protocol import RolloutsContext
+from .protocol import SyncingRollouts
 
 
-class SGLangServerRollouts(RolloutsContext):
+class SGLangServerRollouts(SyncingRollouts):
     """See the module docstring; `weights` is the SGLangServerSync."""
-
-    def __init__(self, s, weights):
-        self.s, self.weights = s, weights
-
-    def sync(self, step: int) -> dict:
-        return self.weights.push(step)
 
     def generate(self, prompts: list, step: int, first_index: int = 0):
         s = self.s
