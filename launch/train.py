@@ -59,7 +59,7 @@ def train(cfg) -> dict:
     from megatron_qrl.logging import MetricsLogger, RunReport, progress_bar
     from megatron_qrl.pipeline import (RunSetup, batch_collector, check_job, checkpoint_due, grpo_loss,
                                        prepare_run_dir, reference_kl, resume_or_warm_start, save_checkpoint,
-                                       serve_rollouts, trainer_batch)
+                                       trainer_batch)
     from megatron_qrl.rl import is_weights
 
     env = discover()
@@ -67,17 +67,17 @@ def train(cfg) -> dict:
         env.export()
     check_job(cfg, env.world_size)                # layout, placement, rank count: before any process group
     plan = prepare_run_dir(cfg, env.rank)         # same run's config (resume) or refuse; resume=false: empty it
-    s = RunSetup.build(cfg)                       # trainer, engine(s), tokenizer, data, reward, TRACE bridge
+    s = RunSetup.build(cfg)                       # this rank's side: trainer, engine, Rollouts, WeightSync
     start = resume_or_warm_start(s, plan)         # the checkpoint `latest` names, else the SFT warm start
     s.save_config()                               # runs/NAME/config.yaml (what `qrl eval` reloads), now valid
     kl = reference_kl(s, start)                   # frozen reference for rl.kl_coef > 0 (else a no-op)
     collect = batch_collector(cfg)                # one generate call, or DAPO dynamic sampling
     last: dict = {}
     end = min(cfg.run.total_steps, start + (cfg.run.stop_after_steps or cfg.run.total_steps))
-    r = s.rollouts                                # this rank's engine, or engine ranks elsewhere
-    if r is None:                                 # a disaggregated job's engine rank: serve the trainers
-        serve_rollouts(s, s.placement)
+    if s.engine_rank is not None:                 # a disaggregated job's engine rank: follow the trainers'
+        s.engine_rank.follow_commands()           # commands (generate / evaluate / save / stop)
         return last
+    r = s.rollouts                                # this rank's engine, or engine ranks / servers elsewhere
     report = RunReport(cfg, start, end)           # rank 0's log lines: a line per step, the summary
     report.begin()
     with MetricsLogger(cfg.run.output_dir, cfg, rank=env.rank, start_step=start) as log, r:

@@ -7,15 +7,15 @@ where they fire (tests/fault/ and docs/RELIABILITY.md use them):
     nan_reward       rewards of the step's batch become NaN            (pipeline/guards.py, before training)
     nan_loss         one response's rollout log-probs become NaN, so the GRPO loss is NaN (guards.py)
     nan_grad         one gradient element becomes NaN after the DP all-reduce (guards.py, before the step)
-    engine_crash     the engine's generate raises RuntimeError          (guards.py, generate with restarts)
-                     (disaggregated engine ranks: rollout_service._generate_with_restarts)
+    engine_crash     the engine's generate raises RuntimeError          (pipeline/retry.py, generate with restarts;
+                     trainer ranks and disaggregated engine ranks alike)
     stall_in_save    sleep QRL_FAULT_STALL_S (default 120) inside the checkpoint save, after the shard files
                      are written and before the manifest (trainer/checkpoint.py), so a test can kill -9 there
     The kill_* kinds end the process with SIGKILL (no cleanup, as kill -9 would) at a boundary of step STEP:
     kill_after_metrics     the step's metrics line is written (fsync'd), its checkpoint not begun (logging/metrics.py)
     torn_metrics           half of the step's metrics line is written, then the kill (logging/metrics.py)
-    kill_before_latest     the checkpoint after the step is complete, `latest` not yet moved (pipeline/setup.py)
-    kill_after_checkpoint  the checkpoint is committed (`latest` names it), the next step not begun (setup.py)
+    kill_before_latest     the checkpoint after the step is complete, `latest` not yet moved (pipeline/checkpoints.py)
+    kill_after_checkpoint  the checkpoint is committed (`latest` names it), the next step not begun (checkpoints.py)
 Unset (the normal case) every check is a dictionary lookup that finds nothing.
 """
 from __future__ import annotations

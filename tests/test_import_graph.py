@@ -17,9 +17,6 @@ PACKAGE = "megatron_qrl"
 # Cycles other #29 branches are removing; the lead deletes an entry when its branch merges. A cycle is tolerated
 # only inside one entry (a smaller cycle of the same modules included).
 BEING_FIXED = {
-    "pipeline (branch sync)": {"megatron_qrl.pipeline.guards", "megatron_qrl.pipeline.lora_sync",
-                               "megatron_qrl.pipeline.rollout_service", "megatron_qrl.pipeline.setup",
-                               "megatron_qrl.pipeline.sglang_rollouts", "megatron_qrl.pipeline.weight_sync"},
 }
 OWN_CYCLES_ALLOWED = ("megatron_qrl.trace",)   # TRACE's cache/builder/serialize may keep theirs
 

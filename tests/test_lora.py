@@ -54,8 +54,8 @@ def engine_logprobs(engine, batch, prompt_len=6):
 def run():
     """One trainer + engine, 3 adapter-only syncs around 2 train steps; everything the tests assert on."""
     from megatron_qrl.models.lora import lora_linears
-    from megatron_qrl.pipeline.lora_sync import base_digests
-    from megatron_qrl.pipeline.weight_sync import sync_weights
+    from megatron_qrl.pipeline.sync.lora import base_digests
+    from megatron_qrl.pipeline.sync import sync_weights
     from megatron_qrl.platform import teardown
     from megatron_qrl.rollout.embedded import EmbeddedEngine
     from megatron_qrl.trainer import Trainer

@@ -63,7 +63,7 @@ def setup():
 def test_rollout_only_aqn_sync_leaves_trainer_untouched_and_never_accumulates(setup):
     from megatron_qrl.models import aqn_norms
     from megatron_qrl.pipeline import sync_weights
-    from megatron_qrl.pipeline.weight_sync import unwrap
+    from megatron_qrl.pipeline.sync import unwrap
 
     s = setup
     before = {n: p.detach().clone() for c in unwrap(s.trainer.model) for n, p in c.named_parameters()}

@@ -182,8 +182,8 @@ def test_colocated_loop_syncs_hf_named_fp4_buckets_and_trains_on_the_samples(tmp
     # AQN: the norms sent are the embedded engine's effective weights w + Z for the same step and seed
     from megatron_qrl.models import set_aqn_noise
     from megatron_qrl.models.aqn_norm import aqn_norms
-    from megatron_qrl.pipeline.sglang_rollouts import add_aqn_noise
-    from megatron_qrl.pipeline.weight_sync import aqn_seed, local_payload, step_aqn_sigma, unwrap
+    from megatron_qrl.pipeline.sync.sglang import add_aqn_noise
+    from megatron_qrl.pipeline.sync import aqn_seed, local_payload, step_aqn_sigma, unwrap
 
     chunks = unwrap(s.trainer.model)
     sigma, seed = step_aqn_sigma(cfg, 1), aqn_seed(cfg.run.seed, 1)

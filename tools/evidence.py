@@ -150,7 +150,7 @@ def _setup(overrides: Sequence[str]):
 
 def weights_digest(trainer) -> str:
     """sha256 over the trainer's fp32 parameters, in name order (the RL run's starting point)."""
-    from megatron_qrl.pipeline.weight_sync import unwrap
+    from megatron_qrl.pipeline.sync import unwrap
 
     h = hashlib.sha256()
     for chunk in unwrap(trainer.model):

@@ -106,7 +106,7 @@ def sync_cost(trainer, cfg, repeats: int = 3) -> dict:
     the engine's digest re-check of the same payload, and the previous path (pack_weight per tensor +
     SHA-256 over host bytes), side by side."""
     from megatron_qrl.models import weights_changed
-    from megatron_qrl.pipeline.weight_sync import local_payload, quantized_weight_names, unwrap
+    from megatron_qrl.pipeline.sync import local_payload, quantized_weight_names, unwrap
     from megatron_qrl.quant import pack_weight, payload_digests
     from megatron_qrl.quant.wire import payload_nbytes
     from megatron_qrl.rollout.weights import digest_problems

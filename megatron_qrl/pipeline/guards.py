@@ -1,4 +1,4 @@
-"""Run-time guards of the RL loop: a non-finite step is skipped, a failed engine is restarted.
+"""Run-time guards of the RL loop's trainer ranks: a non-finite step is skipped, a failed engine is restarted.
 
 Non-finite steps. Megatron's fp32 optimizer (CPU, and fp32 GPU runs) never checks for NaN/Inf: it would
 step Adam with NaN gradients and poison the weights for good. `StepGuard` wraps the optimizer's
@@ -9,11 +9,9 @@ unchanged. The step is logged (`fault/nonfinite_skipped` = 1, a warning naming t
 `run.max_nonfinite_steps` skipped steps in a row write a checkpoint and stop the run with NonFiniteStop
 (exit status 3).
 
-Engine failures. An exception from the engine's generate (the embedded engine runs in-process; SGLang
-raises when its server dies) makes every rank agree to retry: each failed rank builds a fresh engine,
-re-syncs the current weights (the same FP4 bytes and AQN draw, so the retried batch is what the first
-attempt would have sampled), and generates again; at most `rollout.max_generate_retries` retries per step,
-then EngineFailure. Each restart is logged and counted (`fault/engine_restarts`, cumulative).
+Engine failures: the one retry policy of pipeline/retry.py, with every trainer rank agreeing (one
+all-reduce) and a failed rank re-pushing the step's weights to its fresh engine (WeightSync.repush). Each
+restart is logged and counted (`fault/engine_restarts`, cumulative).
 
 Test hooks: megatron_qrl.fault_inject (QRL_FAULT_INJECT=nan_loss@3 ...).
 """
@@ -27,7 +25,10 @@ import torch.distributed as dist
 
 from megatron_qrl import fault_inject
 
+from .retry import EngineFailure, EngineRetry, any_rank, restart_keeping_rng
+
 log = logging.getLogger(__name__)
+__all__ = ["EngineFailure", "NonFiniteStop", "StepGuard"]
 
 
 class NonFiniteStop(SystemExit):
@@ -41,21 +42,8 @@ class NonFiniteStop(SystemExit):
         return self.message
 
 
-class EngineFailure(RuntimeError):
-    """The rollout engine failed on every allowed retry of one batch."""
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _any_rank(flag: bool, device, groups=(None,)) -> bool:
-    """True on every rank of `groups` (default: the world) when `flag` is True on any of them (collective)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for group in groups:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
 
 
 def _trainer_groups() -> tuple:
@@ -79,11 +67,10 @@ class StepGuard:
         self.step = None            # the RL step in progress (None during the SFT warm start)
         self.in_row = 0             # consecutive skipped steps
         self.skipped_total = 0
-        self.engine_restarts = 0
+        self.retry = EngineRetry(self.max_retries, lambda failed: any_rank(failed, s.trainer.device))
         self._bad_batch = False
         self._skipped_updates = 0
-        if s.trainer is not None:  # a disaggregated job's engine rank holds no trainer
-            self._install_grad_check(s.trainer.optimizer, s.trainer.device)
+        self._install_grad_check(s.trainer.optimizer, s.trainer.device)   # trainer ranks only (pipeline/job.py)
 
     # ------------------------------------------------------------------------------ non-finite steps
     def _install_grad_check(self, optimizer, device) -> None:
@@ -95,7 +82,7 @@ class StepGuard:
             if grads and fault_inject.fires("nan_grad", self.step, _rank()):
                 grads[0].view(-1)[0] = float("nan")
             local = found_inf or self._bad_batch or not all(_finite(g) for g in grads)
-            skip = _any_rank(local, device, _trainer_groups())
+            skip = any_rank(local, device, _trainer_groups())
             self._skipped_updates += int(skip)
             return skip
 
@@ -145,51 +132,25 @@ class StepGuard:
         raise stop
 
     # ------------------------------------------------------------------------------ engine restarts
+    @property
+    def engine_restarts(self) -> int:
+        return self.retry.restarts
+
     def generate(self, prompts: list, sampling, step: int) -> list:
-        """engine.generate with bounded restarts; collective (every rank calls it, even with no prompts)."""
+        """engine.generate with bounded restarts (retry.py); collective (every rank calls it, even with no prompts)."""
         from megatron_qrl.errors import PromptTooLong
 
         from .prompt_limits import overflow
 
         self.step = step
         too_long = overflow(prompts, self.s.cfg)   # an input error: no engine restart can fix it
-        if _any_rank(too_long is not None, self.s.trainer.device if self.s.trainer else "cpu"):
+        if any_rank(too_long is not None, self.s.trainer.device):
             raise PromptTooLong(too_long or "a prompt of this step on another rank is longer than the context "
                                 "allows (that rank's message names the fix)")
-        attempt, rollouts, done = 0, None, False
-        while True:
-            if not done:
-                try:
-                    if fault_inject.fires("engine_crash", step, _rank()):
-                        raise RuntimeError("injected engine crash (QRL_FAULT_INJECT)")
-                    rollouts = self.s.engine_ready().generate(prompts, sampling) if prompts else []
-                    done = True
-                except Exception as err:  # noqa: BLE001 - any engine failure is retried, bounded
-                    error = err
-                    log.warning("step %d rank %d: engine generate failed (attempt %d of %d): %s: %s", step,
-                                _rank(), attempt + 1, self.max_retries + 1, type(err).__name__, err)
-            if not _any_rank(not done, self.s.trainer.device if self.s.trainer else "cpu"):
-                return rollouts
-            if attempt >= self.max_retries:
-                raise EngineFailure(
-                    f"step {step}: the rollout engine failed {attempt + 1} times on the same batch "
-                    f"(rollout.max_generate_retries={self.max_retries})"
-                    + (f"; last error on this rank: {type(error).__name__}: {error}" if not done else "")
-                    + ". Check the engine log/health; resume from the last checkpoint with the same command")
-            attempt += 1
-            self.engine_restarts += 1  # counted on every rank: the metric is the same everywhere
-            if not done:
-                self._restart_engine(step)
+        return self.retry.run(lambda: self.s.engine_ready().generate(prompts, sampling) if prompts else [],
+                              lambda: self._restart_engine(step), step)
 
     def _restart_engine(self, step: int) -> None:
-        """A fresh engine with the current weights; RNG states are preserved so the run stays reproducible."""
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        from .weight_sync import sync_weights
-
-        log.warning("step %d rank %d: restarting the rollout engine and re-syncing weights", step, _rank())
-        tracker = get_cuda_rng_tracker().get_states()
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            self.s.restart_engine()
-        get_cuda_rng_tracker().set_states(tracker)
-        sync_weights(self.s.engine_ready(), self.s.trainer, self.s.cfg, step, version=step)
+        """A fresh engine with the step's weights and AQN draw; RNG states are preserved (reproducible run)."""
+        restart_keeping_rng(self.s.restart_engine)
+        self.s.weights.repush(step)

@@ -88,13 +88,7 @@ class ReferenceKL:
 
 def _write_initial_policy(s, path: Path) -> None:
     """The RL start's weights as the step-0 checkpoint (collective; engine ranks of a disaggregated job join)."""
-    extra = {"step": 0, "data": s.prompts.state_dict()}
-    if s.trainer is None:
-        from megatron_qrl.trainer import checkpoint as ckpt
-
-        ckpt.save(None, str(path), extra)
-    else:
-        s.trainer.save(str(path), extra)
+    s.side.save(str(path), {"step": 0, "data": s.prompts.state_dict()})   # job.TrainerSide / EngineSide
     if dist.get_rank() == 0:
         mark_latest(s.cfg.run.output_dir, path)
     dist.barrier()
@@ -111,7 +105,7 @@ def reference_kl(s, start: int):
     path = Path(rl.kl_reference) if rl.kl_reference else step_path(s.cfg.run.output_dir, 0)
     if rl.kl_reference is None and start == 0:   # the weights in memory are the initial policy
         _write_initial_policy(s, path)
-        ref = ReferencePolicy(s.trainer, rl.kl_reference_offload) if s.trainer is not None else None
+        ref = ReferencePolicy(s.trainer, rl.kl_reference_offload) if s.side.trains else None
     else:
         if rl.kl_reference and not path.is_dir():
             raise FileNotFoundError(f"rl.kl_reference '{path}' is not a directory: point it at a checkpoint "

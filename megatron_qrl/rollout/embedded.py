@@ -113,7 +113,7 @@ class EmbeddedEngine:
         from megatron_qrl.models.lora import configure_engine_linear, is_lora_linear
 
         for lin in fp4_linears(self.model):
-            if is_lora_linear(lin):  # QeRL mode: frozen base shared with the trainer, not a parameter (lora_sync)
+            if is_lora_linear(lin):  # QeRL mode: frozen base shared with the trainer, not a parameter (pipeline/sync/lora.py)
                 lin.quant = configure_engine_linear(lin, cfg)
             elif ro.weights in FP4_FORMATS and rollout_quantized(lin.site, cfg.quant.targets):
                 # weights arrive as FP4 values already; inputs are quantized only in W4A4

@@ -333,7 +333,7 @@ def trace(dev) -> dict:
 def sync(dev) -> dict:
     import torch
 
-    from megatron_qrl.pipeline.weight_sync import local_payload, qat_fp4_weights, unwrap
+    from megatron_qrl.pipeline.sync import local_payload, qat_fp4_weights, unwrap
     from megatron_qrl.quant import FP4Tensor, pack_weight, payload_digests
     from megatron_qrl.trainer import Trainer
 

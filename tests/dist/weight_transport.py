@@ -8,7 +8,7 @@ one rank with none): every rank ends with every rank's tensors, bit for bit.
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.pipeline.rollout_service import broadcast_object
+from megatron_qrl.pipeline.wire import broadcast_object
 from megatron_qrl.pipeline.weight_transport import all_gather_tensors, manifest, receive_weights, send_weights
 from megatron_qrl.quant import FP4Tensor, pack_weight, payload_digest
 from megatron_qrl.rollout.weights import digest_problem

@@ -8,17 +8,18 @@ partial. Every later sync sends only the parameters that train (lora_A / lora_B,
 with lora.train_norms) with a digest each; `sync/base_ok` checks that no base tensor was replaced or written
 since the first sync (its storage and version counter), tests/test_lora.py checks the bytes by hash.
 The engine applies adapters as a separate low-rank path (docs/lora.md says why not merged). AQN noise is
-drawn exactly as in weight_sync (engine norm = trainer norm + fresh Z; the trainer too with apply_to=both).
+drawn exactly as in the FP4 syncs (engine norm = trainer norm + fresh Z; the trainer too with apply_to=both).
 """
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 from megatron_qrl.models.lora import BASE_BUFFERS, lora_linears
 from megatron_qrl.rollout.protocol import WeightUpdateError
 from megatron_qrl.quant import payload_digest, payload_nbytes, tensor_digest
 
-from .weight_sync import aqn_seed, holds_digests, set_trainer_aqn
+from .base import aqn_config, aqn_seed, holds_digests, set_trainer_aqn
 
 
 def named_lora_linears(chunks: list) -> dict:
@@ -69,24 +70,34 @@ def base_unchanged(engine) -> bool:
     return all(t.data_ptr() == ptr and t._version == v for t, ptr, v in engine.lora_base_state)
 
 
-def sync_lora(engine, trainer, cfg, step: int, version: int) -> dict:
-    """QeRL-mode sync_weights: adapters (+ norms) with digests, the base linked once; then this step's AQN draw."""
-    if not hasattr(engine, "model") or not hasattr(engine, "store"):
-        raise ValueError("lora.enabled syncs into an in-process embedded engine (rollout.engine=embedded, "
-                         "rollout.placement=colocated)")
-    t0 = time.perf_counter()
-    chunks = list(trainer.unwrapped)
-    first = getattr(engine, "lora_base_digests", None) is None
-    if first:
-        link_base(engine, chunks)
-    named = [(n, p) for c in chunks for n, p in c.named_parameters() if first or p.requires_grad]
-    weights = {n: p.detach() for n, p in named}
-    hashes = {n: payload_digest(w) for n, w in weights.items()}
-    engine.update_weights(weights, version, hashes)
-    hash_ok = holds_digests(engine.store.digests, hashes)
-    sigma = set_trainer_aqn(trainer, cfg, step)
-    engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))
-    base_bytes = sum(t.numel() * t.element_size() for t, _, _ in engine.lora_base_state)
-    return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": hash_ok, "sync/tensors": float(len(hashes)),
-            "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())),
-            "sync/base_bytes": float(base_bytes), "sync/base_ok": float(base_unchanged(engine)), "aqn/sigma": sigma}
+class LoRASync:
+    """WeightSync in QeRL mode: adapters (+ norms) with digests, the base linked once; then this step's AQN draw."""
+
+    def __init__(self, cfg, trainer, engine: Callable[[], object]):
+        self.cfg, self.trainer, self.engine = cfg, trainer, engine
+
+    def push(self, step: int, *, version: Optional[int] = None, aqn: bool = True) -> dict:
+        cfg, engine = aqn_config(self.cfg, aqn), self.engine()
+        if not hasattr(engine, "model") or not hasattr(engine, "store"):
+            raise ValueError("lora.enabled syncs into an in-process embedded engine (rollout.engine=embedded, "
+                             "rollout.placement=colocated)")
+        t0 = time.perf_counter()
+        chunks = list(self.trainer.unwrapped)
+        first = getattr(engine, "lora_base_digests", None) is None   # a fresh (or restarted) engine
+        if first:
+            link_base(engine, chunks)
+        named = [(n, p) for c in chunks for n, p in c.named_parameters() if first or p.requires_grad]
+        weights = {n: p.detach() for n, p in named}
+        hashes = {n: payload_digest(w) for n, w in weights.items()}
+        engine.update_weights(weights, step if version is None else version, hashes)
+        hash_ok = holds_digests(engine.store.digests, hashes)
+        sigma = set_trainer_aqn(self.trainer, cfg, step)
+        engine.set_aqn_noise(sigma, aqn_seed(cfg.run.seed, step))
+        base_bytes = sum(t.numel() * t.element_size() for t, _, _ in engine.lora_base_state)
+        return {"sync/s": time.perf_counter() - t0, "sync/hash_ok": hash_ok, "sync/tensors": float(len(hashes)),
+                "sync/bytes": float(sum(payload_nbytes(w) for w in weights.values())),
+                "sync/base_bytes": float(base_bytes), "sync/base_ok": float(base_unchanged(engine)),
+                "aqn/sigma": sigma}
+
+    def repush(self, step: int) -> dict:
+        return self.push(step)   # a restarted engine gets the base linked again, then every parameter
