@@ -8,10 +8,9 @@ from .rollout_service import ColocatedRollouts, RemoteRollouts, serve_rollouts
 from megatron_qrl.run_dir import checkpoint_due, inspect_run_dir, prepare_run_dir, resume_hint
 from .run_state import latest_checkpoint, mark_latest, step_path
 from .setup import RunSetup, check_job, generate_shard, resume_or_warm_start, save_checkpoint, trainer_batch
-from .trace_bridge import TraceBridge
 from .weight_sync import sync_weights
 
-__all__ = ["ColocatedRollouts", "RemoteRollouts", "RolloutBatch", "RunSetup", "TraceBridge", "batch_collector",
+__all__ = ["ColocatedRollouts", "RemoteRollouts", "RolloutBatch", "RunSetup", "batch_collector",
            "build_batch", "check_job", "checkpoint_due", "encode_prompts", "evaluate", "generate", "generate_shard",
            "grpo_loss", "inspect_run_dir", "latest_checkpoint", "mark_latest", "prepare_run_dir", "reference_kl",
            "resume_hint", "resume_or_warm_start", "save_checkpoint", "serve_rollouts", "sft_batch", "sft_loss",

@@ -5,7 +5,9 @@
     generate(prompts, step, first_index=0) -> (samples, rollouts, metrics)   every trainer rank gets the
                                                 whole batch; first_index: the global sample index of its first
                                                 response (a step's later generate calls, dynamic sampling)
-    trace(batch, step) -> (trace_guides hook | None, metrics)  this rank's part of the TRACE cache
+    hand_over(batch, step)                      the engines' records of the batch to the trainer: TRACE caches
+                                                sealed by the engines' recorders, one trace.exchange to every
+                                                trainer rank's replay (colocated and disaggregated alike)
     idle() / evaluate(step) -> metrics
 
 ColocatedRollouts: every rank holds an engine and generates its data-parallel share (single node, CPU).
@@ -15,8 +17,9 @@ default group: (1) weights: trainer rank 0 broadcasts the digests and a manifest
 as flat buckets (pipeline/weight_transport.py) to the engines (group {0} + engines), engines install them
 (digest-checked) and report the audit; (2) each engine generates its
 contiguous share of the prompt groups (same seeds and sample indices as one engine would use); (3) samples and rollouts
-(without TRACE captures) go to every rank; (4) each engine seals the TRACE cache of its samples and
-`megatron_qrl.trace.exchange` ships every trainer rank the samples it trains. Engines do not keep the
+(without TRACE captures: a handle each) go to every rank; (4) each engine's recorder seals the TRACE cache of
+its samples and `megatron_qrl.trace.exchange` ships every trainer rank the samples it trains, which its
+replay loads. Engines do not keep the
 schedule themselves: trainer rank 0 sends each command (generate; eval = install the weights after the
 step's updates without AQN noise and let engine 0 score the held-out set; save = join the collective
 checkpoint write with no state of their own; stop), so a checkpoint the trainer writes off schedule (the non-finite
@@ -24,7 +27,6 @@ guard's last one) and the end of the run reach them too.
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import time
 from typing import Optional
@@ -85,6 +87,25 @@ def engine_share(num_prompts: int, engine_index: int, num_engines: int) -> tuple
     return min(num_prompts, engine_index * per), min(num_prompts, (engine_index + 1) * per)
 
 
+def trace_active(s) -> bool:
+    """Whether this run records and replays TRACE (the trainer ranks hold a replay, the engines record)."""
+    return bool(s.cfg.trace.enabled and s.cfg.cached_layers())
+
+
+def exchange_trace(s, place, cache, batch, step: int, num_samples: int, build_s: float) -> None:
+    """TRACE's one transport: every rank joins trace.exchange with the cache its engine sealed (None: no
+    engine here); a trainer rank's replay loads what it received for `batch`."""
+    from megatron_qrl.trace import TraceMetrics, exchange
+
+    metrics = TraceMetrics()
+    t0 = time.perf_counter()
+    received = exchange(cache, trace_specs(s.cfg, place, num_samples), metrics=metrics)
+    transfer_s = time.perf_counter() - t0
+    if s.trainer is not None:
+        s.trainer.trace.load(received, batch, step, step, {"trace/build_s": build_s, "trace/transfer_s": transfer_s},
+                             metrics)
+
+
 def trace_specs(cfg, place, num_samples: int) -> dict:
     """rank -> ShardSpec: each trainer rank receives the samples its data-parallel split trains (full
     hidden width: under tensor parallelism the trainer's MicroBatchGuides slices row-parallel sites) and,
@@ -118,8 +139,13 @@ class ColocatedRollouts:
         samples, rollouts = generate_shard(self.s, prompts, step, first_index)
         return samples, rollouts, {"rollout/s": time.perf_counter() - t0}
 
-    def trace(self, batch, step: int):
-        return self.s.trace.prepare(batch, step=step, version=step)
+    def hand_over(self, batch, step: int) -> None:
+        """Every rank's engine seals its samples of the batch; the exchange gives each trainer rank its part."""
+        if not trace_active(self.s):
+            return
+        t0 = time.perf_counter()
+        cache = self.s.engine.trace_recorder.seal([r.trace_handle for r in batch.rollouts], step)
+        exchange_trace(self.s, self.s.placement, cache, batch, step, len(batch.rollouts), time.perf_counter() - t0)
 
     def idle(self) -> None:
         self.s.engine_idle()
@@ -186,17 +212,10 @@ class RemoteRollouts:
         self._build_s = max(p["trace_build_s"] for p in parts)
         return samples, rollouts, {"rollout/s": max(p["generate_s"] for p in parts)}
 
-    def trace(self, batch, step: int):
-        from megatron_qrl.trace import TraceMetrics, exchange
-
-        bridge = self.s.trace
-        if not bridge.enabled:
-            return None, {}
-        metrics = TraceMetrics()
-        t0 = time.perf_counter()
-        cache = exchange(None, trace_specs(self.s.cfg, self.place, len(batch.rollouts)), metrics=metrics)
-        return bridge.guides(cache, batch, step, step, {"trace/build_s": self._build_s,
-                                                         "trace/transfer_s": time.perf_counter() - t0}, metrics)
+    def hand_over(self, batch, step: int) -> None:
+        """The engine ranks' TRACE caches (sealed before they sent the samples) through the exchange."""
+        if trace_active(self.s):
+            exchange_trace(self.s, self.place, None, batch, step, len(batch.rollouts), self._build_s)
 
     def idle(self) -> None:
         pass
@@ -228,10 +247,11 @@ def serve_rollouts(s, place) -> None:
 
     generate: install the weights (digest-checked) and this step's AQN draw, generate this engine's share of
     the prompt groups (restarting a failed engine and retrying, at most rollout.max_generate_retries times),
-    score the held-out set when asked (engine 0), send samples and rollouts to every rank, ship the TRACE
-    cache. save: join the collective checkpoint write. stop: return.
+    score the held-out set when asked (engine 0), seal the TRACE cache of the share, send samples and rollouts
+    (with handles, without captures) to every rank, ship the cache. save: join the collective checkpoint
+    write. stop: return.
     """
-    from megatron_qrl.trace import exchange
+    from megatron_qrl.trace import without_captures
 
     from .setup import save_checkpoint
 
@@ -261,13 +281,14 @@ def serve_rollouts(s, place) -> None:
         rollouts = _generate_with_restarts(s, msg, samples, first * G) if samples else []
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        cache = s.trace.build(rollouts, step, step, first_index=first * G)
+        traced = trace_active(s)
+        # batch position = sample index: engine ranks draw one batch per step (no dynamic sampling)
+        cache = s.engine.trace_recorder.seal(range(first * G, stop * G), step, first * G) if traced else None
         build_s = time.perf_counter() - t0
-        light = [dataclasses.replace(r, trace={}) for r in rollouts]   # captures travel in the cache
-        gather_from_engines({"samples": samples, "rollouts": light, "generate_s": generate_s,
+        gather_from_engines({"samples": samples, "rollouts": without_captures(rollouts), "generate_s": generate_s,
                              "trace_build_s": build_s}, place)
-        if s.trace.enabled:
-            exchange(cache, trace_specs(cfg, place, len(prompts) * G))
+        if traced:
+            exchange_trace(s, place, cache, None, step, len(prompts) * G, build_s)
 
 
 def _install(engine, msg: dict, cfg) -> float:

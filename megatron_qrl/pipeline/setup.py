@@ -1,4 +1,5 @@
-"""Everything one RL run holds, built once: trainer, engine, tokenizer, data, reward, TRACE bridge.
+"""Everything one RL run holds, built once: trainer (with its TRACE replay), engine (with its TRACE recorder),
+tokenizer, data, reward.
 
 Also the small per-step helpers the loop in launch/train.py calls (sharded generation across
 data-parallel ranks, the trainer batch, resume / SFT warm start, checkpoints, step metrics).
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_qrl.data import PromptBatches, Tokenizer, prepare_inputs, task_reward
 from megatron_qrl.rollout.protocol import SamplingParams
+from megatron_qrl.trace.recorder import without_captures
 
 from .guards import StepGuard
 from .losses import sft_loss
@@ -22,7 +24,6 @@ from .rollout_batch import RolloutBatch, encode_prompts, sft_batch
 from .rollout_service import build_rollouts, engine_share, from_bytes, to_bytes
 from megatron_qrl.run_dir import RunDirPlan
 from .run_state import complete_checkpoints, mark_latest, step_path
-from .trace_bridge import TraceBridge
 from .weight_sync import check_rl_layout
 
 _log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ class RunSetup:
     eval_set: list
     prompts: PromptBatches
     reward_fn: Any
-    trace: TraceBridge
     extra: dict = field(default_factory=dict)
     placement: Any = None               # megatron_qrl.platform.Placement: which ranks train / generate
     rollouts: Any = None                # the loop's rollout interface (rollout_service.py)
@@ -50,6 +50,7 @@ class RunSetup:
     def build(cls, cfg) -> "RunSetup":
         from megatron_qrl.platform import Placement, init_distributed
         from megatron_qrl.platform.distributed import init_process_group
+        from megatron_qrl.trace import TraceReplay
         from megatron_qrl.trainer import Trainer
 
         check_rl_layout(cfg)
@@ -59,7 +60,7 @@ class RunSetup:
         init_process_group(timeout_minutes=120 if cfg.rollout.placement == "disaggregated" else 10)
         place = Placement.from_config(cfg, dist.get_world_size())
         me = dist.get_rank()   # disaggregated: trainer ranks hold no engine, engine ranks no trainer
-        trainer = Trainer(cfg) if place.is_trainer(me) else None
+        trainer = Trainer(cfg, trace=TraceReplay.for_config(cfg)) if place.is_trainer(me) else None
         if trainer is None:
             init_distributed(cfg)           # the engine rank's one-rank Megatron world
         if cfg.rollout.engine == "sglang":    # in-process per rank, or trainer rank 0 -> servers (sglang_rollouts.py)
@@ -70,7 +71,7 @@ class RunSetup:
             engine = build_engine(cfg) if place.is_engine(me) else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
-        s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg))
+        s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn)
         s.placement = place
         s.rollouts = build_rollouts(s, place)
         s.guard = StepGuard(s) if trainer is not None else None   # engine ranks of a disaggregated job: none
@@ -223,6 +224,7 @@ def generate_shard(s: RunSetup, prompts: list, step: int, first_index: int = 0):
     samples = [p for p in prompts[first:stop] for _ in range(G)]
     sampling = s.sampling(step, index_offset=first_index + first * G)
     rollouts = s.guard.generate(encode_prompts(s.tokenizer, samples), sampling, step)  # restarts a failed engine
+    rollouts = without_captures(rollouts)   # TRACE captures stay with the engine's recorder: a handle travels
     if world > 1:
         parts: list = [None] * world
         dist.all_gather_object(parts, to_bytes((samples, rollouts)))
@@ -232,11 +234,11 @@ def generate_shard(s: RunSetup, prompts: list, step: int, first_index: int = 0):
     return samples, rollouts
 
 
-def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Tensor] = None,
+def trainer_batch(batch: RolloutBatch, logp_old: Optional[torch.Tensor] = None,
                   weights: Optional[torch.Tensor] = None) -> dict:
-    """The trainer's batch dict (megatron_qrl.trainer.batch) for log-probs or a GRPO update."""
-    out = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "r3_expert_ids": batch.r3_expert_ids,
-           "trace_guides": guides}
+    """The trainer's batch dict (megatron_qrl.trainer.batch) for log-probs or a GRPO update (TRACE guides come
+    from the trainer's own replay, loaded by the Rollouts' hand_over)."""
+    out = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "r3_expert_ids": batch.r3_expert_ids}
     if batch.r3_mask is not None:
         out["r3_mask"] = batch.r3_mask
     if logp_old is not None:
