@@ -1,7 +1,7 @@
 """`qrl train --config C [overrides]` and `torchrun ... -m megatron_qrl.launch.train --config C`: the RL job.
 
-The whole cycle is `train()` below: sync -> generate -> rewards/advantages (DAPO refills) -> TRACE + R3 to
-the trainer -> log-probs (and the reference's, for a KL) -> IS weights -> GRPO updates -> metrics -> eval /
+The whole cycle is `train()` below: sync -> generate -> rewards/advantages (DAPO refills) -> the engines'
+records (TRACE caches) to the trainer -> log-probs (and the reference's, for a KL) -> IS weights -> GRPO updates -> metrics -> eval /
 checkpoint. Everything else lives in small modules (megatron_qrl.pipeline, .trainer, .rollout, .rl, .trace).
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def train(cfg) -> dict:
         env.export()
     check_job(cfg, env.world_size)                # layout, placement, rank count: before any process group
     plan = prepare_run_dir(cfg, env.rank)         # same run's config (resume) or refuse; resume=false: empty it
-    s = RunSetup.build(cfg)                       # this rank's side: trainer, engine, Rollouts, WeightSync
+    s = RunSetup.build(cfg)                       # this rank's side: trainer (+ TRACE replay), engine (+ recorder), Rollouts, WeightSync
     start = resume_or_warm_start(s, plan)         # the checkpoint `latest` names, else the SFT warm start
     s.save_config()                               # runs/NAME/config.yaml (what `qrl eval` reloads), now valid
     kl = reference_kl(s, start)                   # frozen reference for rl.kl_coef > 0 (else a no-op)
@@ -87,20 +87,19 @@ def train(cfg) -> dict:
             m = r.sync(step)                                                   # FP4 bytes + digests, AQN draw
             batch, gen_m = collect(s, r, step)                      # generate, rewards, advantages: every rank
             s.guard.check_batch(batch, step)                               # NaN/Inf: the updates will skip
-            guides, trace_m = r.trace(batch, step)                             # this rank's TRACE cache
+            r.hand_over(batch, step)                              # engine records -> the trainer's replay
             r.idle()                                                           # colocated: free engine memory
             t_logp = time.perf_counter()
-            logp_old = s.trainer.logprobs(trainer_batch(batch, guides))
+            logp_old = s.trainer.logprobs(trainer_batch(batch))
             m["time/logprobs_s"] = time.perf_counter() - t_logp
-            trace_m = {**s.trace.after_logprobs(), **trace_m}                             # code mismatch
             batch, kl_m = kl.apply(batch, logp_old)              # reference log-probs: loss term or reward
             weights, is_m = is_weights(logp_old, batch.logp_rollout, batch.advantages, batch.loss_mask,
                                        cfg.rl.is_method, cfg.rl)
             t_train = time.perf_counter()
             for _ in range(cfg.rl.updates_per_batch):
-                train_m = s.trainer.train_step(trainer_batch(batch, guides, logp_old, weights), grpo_loss(cfg.rl))
+                train_m = s.trainer.train_step(trainer_batch(batch, logp_old, weights), grpo_loss(cfg.rl))
             m["time/train_s"] = time.perf_counter() - t_train
-            m.update(s.step_metrics(batch, batch.rollouts, gen_m["rollout/s"]), **gen_m, **is_m, **kl_m, **trace_m,
+            m.update(s.step_metrics(batch, batch.rollouts, gen_m["rollout/s"]), **gen_m, **is_m, **kl_m,
                      **s.guard.end_step(train_m), **{s.train_key(k): v for k, v in train_m.items()})
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
                 m.update(r.evaluate(step))              # the weights after this step's updates, as `qrl eval`

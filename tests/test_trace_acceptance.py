@@ -53,11 +53,11 @@ def measure() -> dict:
     import torch
 
     from megatron_qrl.data import CharTokenizer, build_datasets, task_reward
-    from megatron_qrl.pipeline import TraceBridge, build_batch, encode_prompts, sync_weights, trainer_batch
+    from megatron_qrl.pipeline import build_batch, encode_prompts, sync_weights, trainer_batch
     from megatron_qrl.platform import teardown
     from megatron_qrl.rollout.embedded import EmbeddedEngine
     from megatron_qrl.rollout.protocol import SamplingParams
-    from megatron_qrl.trace import TraceCacheBuilder, config_fingerprint
+    from megatron_qrl.trace import TraceCacheBuilder, config_fingerprint, local_replay
     from megatron_qrl.trainer import Trainer
 
     cfg = _config()
@@ -77,10 +77,9 @@ def measure() -> dict:
         out = {"sync": sync, "response_tokens": int(mask.sum()),
                "forwarded_tokens": sum(r.num_forwarded for r in rollouts), "runs": {}}
         for name, n in (("qat", 0), ("half", None), ("all", L)):
-            bridge = TraceBridge(_cached(cfg, n))
-            guides, m = bridge.prepare(batch, step=0, version=0)
-            logp = trainer.logprobs(trainer_batch(batch, guides)).float().cpu()
-            m = {**bridge.after_logprobs(), **m}
+            trainer.trace = local_replay(_cached(cfg, n), batch.rollouts, batch)   # the replay of this layer set
+            logp = trainer.logprobs(trainer_batch(batch)).float().cpu()
+            m = trainer.trace.metrics() if trainer.trace is not None else {}
             diff = (logp - batch.logp_rollout).abs() * mask
             out["runs"][name] = {"logp_abs_diff": float(diff.sum() / mask.sum()),
                                  "logp_abs_diff_max": float(diff.max()),

@@ -91,13 +91,12 @@ def mean_abs_diff(logp, batch) -> float:
 
 def trainer_logprobs(cfg, trainer, batch, num_cached_layers: Optional[int]):
     """(logp [B, T], TRACE metrics) with guides for the deepest num_cached_layers layers (0: plain QAT)."""
-    from megatron_qrl.pipeline import TraceBridge, trainer_batch
+    from megatron_qrl.pipeline import trainer_batch
+    from megatron_qrl.trace import local_replay
 
-    bridge = TraceBridge(with_cached_layers(cfg, num_cached_layers))
-    guides, m = bridge.prepare(batch, step=0, version=0)
-    logp = trainer.logprobs(trainer_batch(batch, guides))
-    m = {**bridge.after_logprobs(), **m}
-    return logp, m
+    trainer.trace = local_replay(with_cached_layers(cfg, num_cached_layers), batch.rollouts, batch)
+    logp = trainer.logprobs(trainer_batch(batch))
+    return logp, (trainer.trace.metrics() if trainer.trace is not None else {})
 
 
 def evaluate(cfg, num_prompts: int = 8, group_size: int = 4, seed: int = 0, layer_counts=(0, None, -1),

@@ -62,7 +62,7 @@ def trace_logprobs(trainer, cfg, batch: dict, repeats: int = 2) -> dict:
     indexed on the device once per pass, mismatches measured) vs the same pass without, side by side."""
     import torch
 
-    from megatron_qrl.trace import BatchGuides, TraceMetrics
+    from megatron_qrl.trace import BatchGuides, TraceMetrics, TraceReplay
     from megatron_qrl.trace.self_capture import capture_cache
 
     dev = trainer.device
@@ -84,7 +84,9 @@ def trace_logprobs(trainer, cfg, batch: dict, repeats: int = 2) -> dict:
         t0 = time.perf_counter()
         guides = BatchGuides(cache, T, batch["r3_expert_ids"], metrics=metrics, local_experts=(0, n), num_experts=n,
                              device=dev)
-        trainer.logprobs({**batch, "trace_guides": guides})
+        trainer.trace = TraceReplay.serving(guides)
+        trainer.logprobs(batch)
+        trainer.trace = None
         _sync(dev)
         traced.append(time.perf_counter() - t0)
     from megatron_qrl.models import guided_fallback_stats

@@ -9,10 +9,9 @@ from megatron_qrl.run_dir import checkpoint_due, inspect_run_dir, prepare_run_di
 from .run_state import latest_checkpoint, mark_latest, step_path
 from .setup import RunSetup, check_job, resume_or_warm_start, save_checkpoint, trainer_batch
 from .sync import WeightSync, sync_weights
-from .trace_bridge import TraceBridge
 
 __all__ = ["ColocatedRollouts", "EngineRank", "RemoteRollouts", "RolloutBatch", "Rollouts", "RunSetup",
-           "SGLangServerRollouts", "TraceBridge", "WeightSync", "batch_collector", "build_batch", "check_job",
+           "SGLangServerRollouts", "WeightSync", "batch_collector", "build_batch", "check_job",
            "checkpoint_due", "encode_prompts", "evaluate", "generate", "generate_shard", "grpo_loss",
            "inspect_run_dir", "latest_checkpoint", "mark_latest", "prepare_run_dir", "reference_kl", "resume_hint",
            "resume_or_warm_start", "save_checkpoint", "sft_batch", "sft_loss", "step_path", "sync_weights",

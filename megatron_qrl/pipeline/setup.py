@@ -1,5 +1,6 @@
-"""Everything one RL run holds, built once: trainer, engine, tokenizer, data, reward, TRACE bridge, and
-this rank's side of the job (pipeline/job.py: its Rollouts and WeightSync, or its engine rank's loop).
+"""Everything one RL run holds, built once: trainer (with its TRACE replay), engine (with its TRACE recorder),
+tokenizer, data, reward, and this rank's side of the job (pipeline/job.py: its Rollouts and WeightSync, or its
+engine rank's loop).
 
 Also the small helpers the loop in launch/train.py calls (the trainer batch, resume / SFT warm start,
 checkpoints, step metrics).
@@ -24,7 +25,6 @@ from .job import check_rl_layout, plan_rank, process_group_timeout_minutes
 from .rollout_batch import RolloutBatch
 from .rollouts import generate_shard
 from .run_state import complete_checkpoints
-from .trace_bridge import TraceBridge
 from .warm_start import sft_warm_start
 
 __all__ = ["RunSetup", "build_engine", "check_job", "engine_config", "generate_shard", "resume_or_warm_start",
@@ -44,7 +44,6 @@ class RunSetup:
     eval_set: list
     prompts: PromptBatches
     reward_fn: Any
-    trace: TraceBridge
     extra: dict = field(default_factory=dict)
     placement: Any = None               # megatron_qrl.platform.Placement: which ranks train / generate
     side: Any = None                    # job.TrainerSide / EngineSide: what this rank holds in checkpoints
@@ -58,6 +57,7 @@ class RunSetup:
     def build(cls, cfg) -> "RunSetup":
         from megatron_qrl.platform import init_distributed
         from megatron_qrl.platform.distributed import init_process_group
+        from megatron_qrl.trace import TraceReplay
         from megatron_qrl.trainer import Trainer
 
         check_rl_layout(cfg)
@@ -65,13 +65,13 @@ class RunSetup:
         tokenizer, train_set, eval_set = prepare_inputs(cfg)   # checked before any process group or file
         init_process_group(timeout_minutes=process_group_timeout_minutes(cfg))
         plan = plan_rank(cfg, dist.get_world_size(), dist.get_rank())
-        trainer = Trainer(cfg) if plan.trains else None
+        trainer = Trainer(cfg, trace=TraceReplay.for_config(cfg)) if plan.trains else None
         if not plan.trains:
             init_distributed(cfg)           # the engine rank's one-rank Megatron world
         engine = plan.engines.build(cfg) if plan.engines is not None else None
         prompts = PromptBatches(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         reward_fn = cfg.data.reward or task_reward(cfg.data)
-        s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn, TraceBridge(cfg))
+        s = cls(cfg, trainer, engine, tokenizer, train_set, eval_set, prompts, reward_fn)
         s.placement, s.side, s.engines = plan.place, plan.side(trainer), plan.engines
         plan.assemble(s)
         _log.info("built in %.1f s: %s", time.perf_counter() - t0, s.describe())
@@ -162,11 +162,11 @@ def check_job(cfg, world_size: int) -> None:
     cfg.check_world_size(Placement.from_config(cfg, world_size).num_trainers)
 
 
-def trainer_batch(batch: RolloutBatch, guides=None, logp_old: Optional[torch.Tensor] = None,
+def trainer_batch(batch: RolloutBatch, logp_old: Optional[torch.Tensor] = None,
                   weights: Optional[torch.Tensor] = None) -> dict:
-    """The trainer's batch dict (megatron_qrl.trainer.batch) for log-probs or a GRPO update."""
-    out = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "r3_expert_ids": batch.r3_expert_ids,
-           "trace_guides": guides}
+    """The trainer's batch dict (megatron_qrl.trainer.batch) for log-probs or a GRPO update (TRACE guides come
+    from the trainer's own replay, loaded by the Rollouts' hand_over)."""
+    out = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "r3_expert_ids": batch.r3_expert_ids}
     if batch.r3_mask is not None:
         out["r3_mask"] = batch.r3_mask
     if logp_old is not None:

@@ -2,7 +2,8 @@
 
 Both come from the model code the trainer runs: R3TopKRouter remembers its own top-k ids
 (`last_topk_ids`, [tokens, k] in Megatron's [seq, batch]-flattened order = our packed order), and the FP4
-linears hand a CaptureRecord per quantized activation site call to `capture_activations`. A routed
+linears hand a CaptureRecord per quantized activation site call to the engine's TRACE recorder
+(`trace.TraceRecorder.recording`, the capture sink). A routed
 expert's record holds one row per token dispatched to it, in the token dispatcher's order: tokens of
 that expert by ascending token index (Megatron's `permute` over the routing map, no capacity drops).
 `scatter_records` turns those rows back into [token, slot] tensors using the routed ids; records of
@@ -11,9 +12,8 @@ per token and become [token] tensors.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 
@@ -51,28 +51,6 @@ class RoutingRecorder:
             ids.append(r.last_topk_ids.to(torch.int16))
             r.last_topk_ids = None
         return torch.stack(ids, dim=1)
-
-
-def traced_sites(model: torch.nn.Module, layers: Iterable[int]) -> set[str]:
-    """Names of the activation-quantized sites of `layers` (routed experts, plus dense sites under
-    quant.targets=all_linears) -- what the engine captures for TRACE."""
-    from megatron_qrl.models import fp4_linears
-
-    layers = set(layers)
-    return {lin.site.name for lin in fp4_linears(model)
-            if lin.quant.enabled and lin.quant.activations and lin.site.layer in layers}
-
-
-@contextlib.contextmanager
-def recording_trace(model: torch.nn.Module, sites: set[str]):
-    """Yields the list the FP4 linears of `sites` append CaptureRecords to during the block."""
-    if not sites:
-        yield []
-        return
-    from megatron_qrl.models import capture_activations
-
-    with capture_activations(model, sites) as records:
-        yield records
 
 
 @dataclass

@@ -9,7 +9,8 @@ eval mode, no grad), configured for inference:
 - activations: W4A4 quantize-dequantizes the quantized linears' inputs through the model's own FP4 hook
   (nearest rounding, per-tensor dynamic global scale exactly as in the trainer's QAT forward) and
   captures the TRACE records of the cached layers' quantized sites (routed experts; also qkv/proj/shared
-  experts under quant.targets=all_linears); W4A16 leaves inputs alone;
+  experts under quant.targets=all_linears) into its `trace_recorder` (megatron_qrl/trace/recorder.py), which
+  keeps them under each sample's handle; W4A16 leaves inputs alone;
 - KV cache: bf16 / fp8 / fp4 (kv_cache.py); AQN noise in the norms' noise buffers (set_aqn_noise);
 - continuous batching over packed steps (scheduler.py, attention.py), sampling with per-sequence
   generators (sampling.py), R3 routed-expert ids from the model's router (capture.py).
@@ -24,9 +25,10 @@ import torch
 
 from megatron_qrl.quant.formats import FP4_FORMATS
 from megatron_qrl.quant.wire import Payload, pack_state
+from megatron_qrl.trace.recorder import TraceRecorder
 
 from .attention import StepBatch
-from .capture import RolloutRecords, RoutingRecorder, concat_rows, recording_trace, traced_sites
+from .capture import RolloutRecords, RoutingRecorder, concat_rows
 from .decode_path import build_graph_loop, resolve_decode_mode
 from .kernel_linears import KernelLinears, kernels_wanted
 from .kv_cache import KVCache
@@ -91,7 +93,7 @@ class EmbeddedEngine:
         self.routing = RoutingRecorder(self.model)
         self.keep_codes = keep_codes
         self.trace_layers = cfg.cached_layers() if cfg.trace.enabled and self.scheme == "w4a4" else []
-        self.trace_sites = traced_sites(self.model, self.trace_layers)
+        self.trace_recorder = TraceRecorder(cfg, self.model, self.trace_layers)   # the capture sink, the records
         self.version = -1
         self.released = False
         # decode path, chosen once (decode_path.py): the static loop is built at the first generate()
@@ -145,6 +147,7 @@ class EmbeddedEngine:
         if self.kernels is not None:
             self.kernels.prepare(self.store)      # kernel weight layout: once per sync, never per call
         self.version = version
+        self.trace_recorder.reset(version)        # TRACE records belong to the weights that made them
 
     def sync_from_model(self, source: torch.nn.Module, version: int) -> dict[str, str]:
         """Pack `source`'s weights (an unsharded trainer model) with the codec and install them; returns digests."""
@@ -173,7 +176,7 @@ class EmbeddedEngine:
             samples = self._static_loop.generate(prompts, sampling)
             self.stats["generate_calls"] += 1
             self.stats["sequences"] += len(prompts)
-            return samples
+            return self.trace_recorder.keep(samples, sampling.index_offset)
         seqs = [Sequence(i, [int(t) for t in p], sampling, sequence_generator(sampling.seed, sampling.index_offset + i))
                 for i, p in enumerate(prompts)]
         scheduler = ContinuousBatchScheduler(self.cache, self.max_batch_size, self.max_tokens_per_step)
@@ -188,7 +191,7 @@ class EmbeddedEngine:
         self.stats["generate_calls"] += 1
         self.stats["sequences"] += len(seqs)
         self.stats["peak_batch"] = max(self.stats["peak_batch"], scheduler.peak_running)
-        return [self._to_sample(s) for s in seqs]
+        return self.trace_recorder.keep([self._to_sample(s) for s in seqs], sampling.index_offset)
 
     def score(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced policy log-probs [T_i] of given responses (prefill of prompt + response[:-1]).
@@ -247,7 +250,7 @@ class EmbeddedEngine:
     def _step(self, plan: StepPlan, records: RolloutRecords) -> None:
         runs = [(s.slot, feed, s.num_cached) for s, feed in zip(plan.sequences, plan.feeds)]
         batch = StepBatch.build(runs, self.device)
-        with recording_trace(self.model, self.trace_sites) as captured:
+        with self.trace_recorder.recording() as captured:
             logits = self.runner.forward(batch)
         routed = self.routing.collect(batch.num_tokens)
         spans = [(seq.index, batch.row_starts[b], batch.row_starts[b] + batch.row_lens[b])

@@ -32,7 +32,7 @@ import torch
 from megatron_qrl.quant.blocks import block_size
 
 from .attention import StepBatch
-from .capture import RolloutRecords, recording_trace
+from .capture import RolloutRecords
 from .protocol import ActivationCapture, RolloutSample, SamplingParams
 from .rng import stream_keys
 from .sampling import sample_and_logprob
@@ -365,7 +365,7 @@ class GraphDecodeLoop:
         firsts: list[torch.Tensor] = []
         for chunk in chunks:
             batch = StepBatch.build([(slots[s], prompts[s], 0) for s in chunk], dev)
-            with recording_trace(eng.model, eng.trace_sites) as captured:
+            with eng.trace_recorder.recording() as captured:
                 logits = eng.runner.forward(batch)
             routed = eng.routing.collect(batch.num_tokens)
             spans = [(s, batch.row_starts[b], batch.row_starts[b] + batch.row_lens[b]) for b, s in enumerate(chunk)]

@@ -117,7 +117,9 @@ class RolloutSample:
 
     routed_experts: int16 [P+T-1, num_moe_layers, topk], the router's own top-k ids per forwarded
         position and MoE layer (R3), None for dense models or when the engine does not record them.
-    trace: TRACE captures of the cached layers (empty when TRACE is off).
+    trace: TRACE captures of the cached layers (empty when TRACE is off, and once the sample left its engine).
+    trace_handle: the sample's global index in its step (set by the engine's TRACE recorder, which keeps the
+        captures under it: what travels to the trainer is the handle; -1: none).
     """
 
     prompt_ids: list[int]
@@ -127,6 +129,7 @@ class RolloutSample:
     routed_experts: Optional[torch.Tensor] = None
     trace: TraceCapture = field(default_factory=dict)
     weight_version: int = -1
+    trace_handle: int = -1
 
     @property
     def num_forwarded(self) -> int:

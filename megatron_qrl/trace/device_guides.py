@@ -28,7 +28,7 @@ from megatron_qrl.quant import GuidedRounding
 
 from .cache import BLOCK, EntryKey, TraceCache, token_keys
 from .errors import MisshapenCacheError
-from .lookup import ExpertSources
+from .lookup import ExpertSources, GuideLayout
 
 
 @dataclass
@@ -163,8 +163,8 @@ def _stack_tables(cache: TraceCache, device, n_experts: int) -> dict:
     return tables
 
 
-class BatchGuides:
-    """The trainer's `trace_guides` hook (trainer.batch) for one batch, on `device`.
+class BatchGuides(GuideLayout):
+    """The trainer's guide hook (trace.TraceReplay serves it) for one batch, on `device`.
 
     The same constructor arguments and row conventions as lookup.MicroBatchGuides (its host reference), plus
     local_experts = (first global expert, number of local experts) of this rank and the model's
@@ -176,21 +176,13 @@ class BatchGuides:
                  tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False, metrics=None,
                  expert_sources: Optional[ExpertSources] = None, local_experts: tuple[int, int] = (0, 0),
                  num_experts: int = 0, device=None):
-        if expert_sources is not None and tp_size > 1:
-            raise ValueError("TRACE under expert parallelism with tensor_parallel > 1 is not implemented "
-                             "(each source rank holds a sequence shard); use tensor_parallel=1")
-        self.cache, self.seq_len, self.metrics = cache, int(seq_len), metrics
-        self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel and tp_size > 1
-        self.expert_sources = expert_sources
+        super().__init__(cache, seq_len, r3_expert_ids, tp_rank, tp_size, sequence_parallel, metrics, expert_sources)
         self.first_expert, self.n_local = int(local_experts[0]), int(local_experts[1])
         self.device = torch.device(device) if device is not None else cache.device
         self.n_experts = max(int(num_experts), 1 + max([k.expert for k in cache.keys()] + [0]))
         self.tables = _stack_tables(cache, self.device, self.n_experts)
         self.token_table = token_keys(*cache.tokens()).to(self.device)
-        ids = r3_expert_ids
-        if ids is not None and ids.shape[1] < self.seq_len:   # trainer pads T by repeating the last ids
-            ids = torch.cat([ids, ids[:, -1:].expand(-1, self.seq_len - ids.shape[1], -1, -1)], dim=1)
-        self.r3 = ids.to(self.device, torch.int64) if ids is not None else None
+        self.r3 = self.r3.to(self.device, torch.int64) if self.r3 is not None else None
         self.measuring = True
         self._prepared: dict[int, _Prepared] = {}      # first batch row of a micro-batch -> its index
         self._mb_of: dict[int, int] = {}

@@ -222,16 +222,10 @@ class ExpertSources:
         return out
 
 
-class MicroBatchGuides:
-    """The trainer's `trace_guides` hook (trainer.batch): (sample_ids, batch_rows) [mb] -> GuideProvider.
-
-    Rows follow Megatron: activations [s, b, K] flattened seq-major; under sequence parallelism
-    column-parallel inputs are this rank's sequence shard (row-parallel inputs hold the full sequence);
-    a routed expert sees the tokens of this rank's shard routed to it, ascending, and under expert
-    parallelism (`expert_sources`) those of every rank of its EP group, concatenated in EP-rank order.
-    r3_expert_ids: the batch's long [B, T, num_layers, k] (R3 ids, global layer index); padding samples
-    (id -1) reuse sample 0's ids, as trainer.batch pads them, and are never found in the cache.
-    """
+class GuideLayout:
+    """What a guide hook knows of the trainer's batch and layout (shared by MicroBatchGuides and the device
+    hook, device_guides.BatchGuides): the cache, T (padded as the trainer pads it), the R3 ids padded to T,
+    the TP rank and size, sequence parallelism, metrics and, under expert parallelism, the EP sources."""
 
     def __init__(self, cache: TraceCache, seq_len: int, r3_expert_ids: Optional[torch.Tensor] = None,
                  tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False, metrics=None,
@@ -246,6 +240,18 @@ class MicroBatchGuides:
         if ids is not None and ids.shape[1] < self.seq_len:   # trainer pads T by repeating the last ids
             ids = torch.cat([ids, ids[:, -1:].expand(-1, self.seq_len - ids.shape[1], -1, -1)], dim=1)
         self.r3 = ids
+
+
+class MicroBatchGuides(GuideLayout):
+    """A guide hook (trace.TraceReplay serves it): (sample_ids, batch_rows) [mb] -> GuideProvider.
+
+    Rows follow Megatron: activations [s, b, K] flattened seq-major; under sequence parallelism
+    column-parallel inputs are this rank's sequence shard (row-parallel inputs hold the full sequence);
+    a routed expert sees the tokens of this rank's shard routed to it, ascending, and under expert
+    parallelism (`expert_sources`) those of every rank of its EP group, concatenated in EP-rank order.
+    r3_expert_ids: the batch's long [B, T, num_layers, k] (R3 ids, global layer index); padding samples
+    (id -1) reuse sample 0's ids, as trainer.batch pads them, and are never found in the cache.
+    """
 
     def __call__(self, sample_ids: torch.Tensor, batch_rows: Optional[torch.Tensor] = None) -> GuideProvider:
         sample_ids = torch.as_tensor(sample_ids, dtype=torch.int64).reshape(-1).cpu()

@@ -33,7 +33,7 @@ def capture_cache(trainer, batch: dict, layers: Optional[Iterable[int]] = None, 
     builder = TraceCacheBuilder(version, step, fingerprint, layers=keep)
     for s0 in range(0, B, mb):
         sub = {k: (v[s0:s0 + mb] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == B else v)
-               for k, v in batch.items() if k != "trace_guides"}
+               for k, v in batch.items()}
         ids = sub.get("r3_expert_ids")
         rows = MicroBatchGuides(None, T, ids)
         n = sub["tokens"].shape[0]

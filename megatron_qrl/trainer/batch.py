@@ -9,13 +9,11 @@ A batch is a dict; every rank passes the same *global* batch (the RL loop has it
                                   at MoE layer l (global layer index), applied when cfg.r3.enabled
     r3_mask        float [B, T]   optional: 1 where those ids are the engine's (0: tokens it never routed);
                                   r3/router_agreement counts only these (and never padding)
-    trace_guides   optional callable(sample_ids: long [mb], batch_rows: long [mb]) -> provider or None,
-                   where provider(site: QuantSite, x: Tensor) -> GuidedRounding | None is the TRACE
-                   replay for one micro-batch (megatron_qrl.models.fp4_linear); sample_ids index the
-                   global batch, batch_rows the padded one (under EP the hook derives the micro-batch
-                   the other ranks of its expert-parallel group run at the same time)
     any other tensor whose first dim is B (advantages [B], logp_old [B, T], ...) is sliced per
     micro-batch and handed to the loss function; other values pass through unchanged.
+
+TRACE guides are not part of the batch: the Trainer's replay (`Trainer(cfg, trace=...)`, trace/guidance.py)
+serves each micro-batch by its sample_ids (global batch) and batch_rows (padded batch).
 
 The trainer adds per micro-batch: sample_ids [mb] (global indices, -1 for padding), batch_rows [mb] (rows
 of the padded batch), sample_mask [mb] (0 for padding samples), num_global_tokens (sum of loss_mask over the
@@ -32,7 +30,7 @@ from typing import Any
 
 import torch
 
-RESERVED = ("tokens", "loss_mask", "position_ids", "r3_expert_ids", "trace_guides")
+RESERVED = ("tokens", "loss_mask", "position_ids", "r3_expert_ids")
 
 
 class BatchError(ValueError):
@@ -53,6 +51,10 @@ class ShardedBatch:
 def validate(batch: dict) -> tuple[int, int]:
     if "tokens" not in batch:
         raise BatchError("batch needs 'tokens' (long [B, T])")
+    if "trace_guides" in batch:
+        raise BatchError("batch['trace_guides'] is gone: TRACE guides come from the trainer's replay; build the "
+                         "trainer with Trainer(cfg, trace=TraceReplay.for_config(cfg)) (or set trainer.trace = "
+                         "TraceReplay.serving(guides)) and pass the batch without it")
     tokens = batch["tokens"]
     if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int32):
         raise BatchError(f"batch['tokens'] must be an integer tensor [B, T], got "
@@ -137,7 +139,6 @@ def shard(batch: dict, dp_rank: int, dp_size: int, micro_batch_size: int, seq_mu
         mb["num_global_tokens"] = num_global_tokens
         mb["num_global_samples"] = B
         mb["num_real_positions"] = T      # positions >= T pad T for sequence parallelism
-        mb["trace_guides"] = batch.get("trace_guides")
         mbs.append(mb)
     return ShardedBatch(mbs, B, Bp, T, Tp, dp_rank, dp_size)
 

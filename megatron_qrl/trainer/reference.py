@@ -127,10 +127,13 @@ class ReferencePolicy:
         The reference's routing does not enter r3/router_agreement (the policy's statistic)."""
         routers = getattr(self.trainer, "routers", [])
         counts = [(r.agreement_hits, r.agreement_total) for r in routers]
+        replay = getattr(self.trainer, "trace", None)   # TRACE replays the policy's rollout, not the reference
+        self.trainer.trace = None
         self._swap()
         try:
             return self.trainer.logprobs(batch)
         finally:
             self._swap()
+            self.trainer.trace = replay
             for r, (hits, total) in zip(routers, counts):
                 r.agreement_hits, r.agreement_total = hits, total

@@ -1,6 +1,6 @@
 """The Megatron-Core trainer used by the RL loop: log-probs, GRPO updates, checkpoints.
 
-    trainer = Trainer(cfg)                       # process groups, model chunks (DDP), optimizer, LR schedule
+    trainer = Trainer(cfg, trace=replay)         # process groups, model chunks (DDP), optimizer, LR schedule
     logp = trainer.logprobs(batch)               # [B, T] per-token log-probs, forward only, on every rank
     stats = trainer.train_step(batch, loss_fn)   # one optimizer step over the whole batch
     trainer.save(path, extra_state) / trainer.load(path)
@@ -20,6 +20,11 @@ calculate_per_token_loss mode: no implicit averaging), so a global token mean is
 therefore the update, independent of the parallel layout and of micro-batching. T' is T padded to a
 multiple of TP under sequence parallelism (padding has loss_mask 0). Stats values are summed the same
 way and returned on every rank. See megatron_qrl.trainer.batch for the batch format.
+
+TRACE: `trace` (a trace.TraceReplay, or None) is the trainer's one source of guided rounding. Every guided pass
+asks it once for the pass (`begin_pass`) and per micro-batch for the FP4 linears' guide provider
+(`for_micro_batch`); its metrics (code mismatch of the first pass after a load, the transfer) come back in
+train_step's stats (the KL reference's pass runs without it: trainer/reference.py).
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ LossFn = Callable[[torch.Tensor, dict], tuple]
 class Trainer:
     """Megatron-Core policy trainer; see the module docstring for the API contract."""
 
-    def __init__(self, cfg, layout: Optional[Layout] = None):
+    def __init__(self, cfg, layout: Optional[Layout] = None, trace=None):
         if cfg.trainer.bf16 and not torch.cuda.is_available():
             raise ValueError("trainer.bf16=true needs CUDA: Megatron's mixed-precision optimizer accepts only "
                              "torch.cuda tensors; set trainer.bf16=false on CPU (fp32)")
@@ -72,6 +77,7 @@ class Trainer:
         self.step = 0
         self.routers = r3_routers(self.model)
         self.entropy = EntropyProbe(self.unwrapped)   # policy/entropy of the update pass (mb['policy_entropy'])
+        self.trace = trace                 # TRACE replay (trace/guidance.py) or None
 
     # ------------------------------------------------------------------ layout helpers
     @property
@@ -116,8 +122,8 @@ class Trainer:
                                      f"{router.layer_index} needs ids")
                 router.set_replay(replay_ids_for_router(ids[:, :, router.layer_index], tp_rank, tp,
                                                         self.sequence_parallel), counted)
-        guides = mb.get("trace_guides")
-        set_guide_provider(self.model, guides(mb["sample_ids"], mb["batch_rows"]) if guides is not None else None)
+        guides = self.trace.for_micro_batch(mb["sample_ids"], mb["batch_rows"]) if self.trace is not None else None
+        set_guide_provider(self.model, guides)
 
     def _clear_hooks(self) -> None:
         clear_replay(self.model)
@@ -151,14 +157,15 @@ class Trainer:
 
     def _run(self, sb: ShardedBatch, loss_fn: Optional[LossFn], forward_only: bool) -> list:
         fb = get_forward_backward_func()
-        guides = sb.micro_batches[0].get("trace_guides") if sb.micro_batches else None
-        if hasattr(guides, "prepare"):   # device TRACE guides: index every micro-batch's rows once per batch
-            guides.prepare([(mb["sample_ids"], mb["batch_rows"]) for mb in sb.micro_batches])
+        if self.trace is not None:
+            self.trace.begin_pass([(mb["sample_ids"], mb["batch_rows"]) for mb in sb.micro_batches])
         try:
             return fb(forward_step_func=self._forward_step(loss_fn), data_iterator=iter(sb.micro_batches),
                       model=self.model, num_microbatches=len(sb.micro_batches), seq_length=sb.padded_seq_len,
                       micro_batch_size=self.cfg.trainer.micro_batch_size, forward_only=forward_only)
         finally:
+            if self.trace is not None:
+                self.trace.end_pass()
             self._clear_hooks()
 
     # ------------------------------------------------------------------ public API
@@ -216,6 +223,8 @@ class Trainer:
         fallback = guided_fallback_stats(self.model)
         if fallback["guided_elements"]:
             stats["trace/guided_fallback"] = fallback["guided_fallback"] / fallback["guided_elements"]
+        if self.trace is not None:
+            stats.update(self.trace.metrics())
         stats.update({"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                       "lr": float(self.optimizer.param_groups[0]["lr"]), "update_successful": float(bool(ok)),
                       "num_micro_batches": float(len(sb.micro_batches)), "step": float(self.step),

@@ -261,8 +261,8 @@ def trace(dev) -> dict:
     import torch
 
     from megatron_qrl.models import guided_fallback_stats
-    from megatron_qrl.pipeline.trace_bridge import _MeasuringGuides
-    from megatron_qrl.trace import BatchGuides, MicroBatchGuides, TraceMetrics
+    from megatron_qrl.trace import BatchGuides, MicroBatchGuides, TraceMetrics, TraceReplay
+    from megatron_qrl.trace.guidance import MeasuringGuides
     from megatron_qrl.trace.self_capture import capture_cache
     from megatron_qrl.trainer import Trainer
 
@@ -294,9 +294,10 @@ def trace(dev) -> dict:
                                  num_experts=n, device=trainer.device)
         else:
             host = MicroBatchGuides(cache, T, batch["r3_expert_ids"], metrics=metrics)
-            guides = _MeasuringGuides(host, metrics, 0.25)
+            guides = MeasuringGuides(host, metrics, 0.25)
         t0 = time.perf_counter()
-        lp = trainer.logprobs({**batch, "trace_guides": guides})
+        trainer.trace = TraceReplay.serving(guides)
+        lp = trainer.logprobs(batch)
         seconds = time.perf_counter() - t0
         fb = guided_fallback_stats(trainer.model)
         m = metrics.as_dict()
@@ -321,7 +322,8 @@ def trace(dev) -> dict:
     n = common.NUM_EXPERTS
     guides = BatchGuides(same, batch["tokens"].shape[1], batch["r3_expert_ids"], metrics=metrics, local_experts=(0, n),
                          num_experts=n, device=trainer.device)
-    trainer.logprobs({**batch, "trace_guides": guides})
+    trainer.trace = TraceReplay.serving(guides)
+    trainer.logprobs(batch)
     fb = guided_fallback_stats(trainer.model)
     out["replay_of_per_expert_capture"] = {
         "fallback": fb["guided_fallback"], "elements": fb["guided_elements"],

@@ -149,6 +149,7 @@ def trace_checks(trainer) -> dict:
 
     from megatron_qrl.models import capture_activations, guided_fallback_stats
     from megatron_qrl.quant import GuidedRounding
+    from megatron_qrl.trace import TraceReplay
 
     one = {k: v[:2] for k, v in common.make_batch().items() if k != "advantages"}  # one micro-batch
     with capture_activations(trainer.model) as records:
@@ -161,10 +162,13 @@ def trace_checks(trainer) -> dict:
         return lambda site, x: guides.get(site.name)
 
     guided_fallback_stats(trainer.model)
-    lp1 = trainer.logprobs({**one, "trace_guides": trace_guides})
+    trainer.trace = TraceReplay.serving(trace_guides)
+    lp1 = trainer.logprobs(one)
     fallback = guided_fallback_stats(trainer.model)
     flipped = {k: GuidedRounding(g.bits ^ 0xFF, g.scales, g.global_scale) for k, g in guides.items()}
-    lp2 = trainer.logprobs({**one, "trace_guides": lambda ids, rows=None: (lambda site, x: flipped.get(site.name))})
+    trainer.trace = TraceReplay.serving(lambda ids, rows=None: (lambda site, x: flipped.get(site.name)))
+    lp2 = trainer.logprobs(one)
+    trainer.trace = None
     names = sorted(guides)
     return {"trace/num_sites": len(guides), "trace/records": len(records), "trace/site_examples": names[:3],
             "trace/has_expert_sites": any(".fc1.E" in n for n in names), "trace/provider_calls": calls,

@@ -51,7 +51,7 @@ def _update(s, batch, step):
     logp_old = s.trainer.logprobs(trainer_batch(batch))
     weights, _ = is_weights(logp_old, batch.logp_rollout, batch.advantages, batch.loss_mask, s.cfg.rl.is_method,
                             s.cfg.rl)
-    stats = s.trainer.train_step(trainer_batch(batch, None, logp_old, weights), grpo_loss(s.cfg.rl))
+    stats = s.trainer.train_step(trainer_batch(batch, logp_old, weights), grpo_loss(s.cfg.rl))
     return stats, s.guard.end_step(stats)
 
 

@@ -2,7 +2,8 @@
 from .colocated import ColocatedRollouts, engine_share, generate_shard
 from .engine_ranks import EngineRank
 from .protocol import Rollouts, RolloutsContext, SyncingRollouts
-from .remote import RemoteRollouts, trace_specs
+from .hand_over import trace_specs
+from .remote import RemoteRollouts
 from .sglang_servers import SGLangServerRollouts
 
 __all__ = ["ColocatedRollouts", "EngineRank", "RemoteRollouts", "Rollouts", "RolloutsContext", "SGLangServerRollouts",

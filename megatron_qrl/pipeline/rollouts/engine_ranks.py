@@ -2,16 +2,18 @@
 
 Generate  receive and install the step's weights and AQN draw (BroadcastReceiver), generate this engine's
           share of the prompt groups (a failed engine is restarted and the batch retried: pipeline/retry.py),
-          send samples and rollouts to every rank, ship the TRACE cache to the trainer ranks
+          seal the TRACE cache of the share (the engine's recorder), send samples and rollouts (a handle each,
+          no captures) to every rank, ship the cache to the trainer ranks (rollouts/hand_over.py)
 Evaluate  receive and install the weights without AQN noise; engine 0 scores the held-out set
 Save      join the collective checkpoint write with no state of their own
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch.distributed as dist
+
+from megatron_qrl.trace.recorder import without_captures
 
 from ..checkpoints import write_checkpoint
 from ..commands import CommandChannel, Evaluate, Generate, Save, Stop
@@ -22,11 +24,11 @@ from ..rollout_batch import encode_prompts
 from ..sync import BroadcastReceiver
 from ..wire import gather_from_engines
 from .colocated import engine_share
-from .remote import trace_specs
+from .hand_over import exchange_trace, trace_active
 
 
 class EngineRank:
-    """One engine rank of a disaggregated job (RunSetup `s` holds its engine, data and TRACE bridge)."""
+    """One engine rank of a disaggregated job (RunSetup `s` holds its engine, with its TRACE recorder, and data)."""
 
     def __init__(self, s, place, group):
         self.s, self.place = s, place
@@ -51,15 +53,14 @@ class EngineRank:
         rollouts = self._generate(samples, step, first * G) if samples else []
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        cache = s.trace.build(rollouts, step, step, first_index=first * G)
+        traced = trace_active(s.cfg)
+        # batch position = sample index: engine ranks draw one batch per step (no dynamic sampling)
+        cache = s.engine.trace_recorder.seal(range(first * G, stop * G), step, first * G) if traced else None
         build_s = time.perf_counter() - t0
-        light = [dataclasses.replace(r, trace={}) for r in rollouts]   # captures travel in the cache
-        gather_from_engines({"samples": samples, "rollouts": light, "generate_s": generate_s,
+        gather_from_engines({"samples": samples, "rollouts": without_captures(rollouts), "generate_s": generate_s,
                              "trace_build_s": build_s}, self.place)
-        if s.trace.enabled:
-            from megatron_qrl.trace import exchange
-
-            exchange(cache, trace_specs(s.cfg, self.place, len(prompts) * G))
+        if traced:
+            exchange_trace(s.cfg, self.place, cache, len(prompts) * G)
 
     def _generate(self, samples: list, step: int, index_offset: int) -> list:
         s = self.s

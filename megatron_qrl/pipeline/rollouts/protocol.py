@@ -21,8 +21,9 @@ class Rollouts(Protocol):
         sample index of its first response (a step's later generate calls: dynamic sampling)."""
         ...
 
-    def trace(self, batch, step: int) -> tuple:
-        """(this rank's trace_guides hook or None, metrics): its part of the step's TRACE cache."""
+    def hand_over(self, batch, step: int) -> None:
+        """The engines' records of `batch` to this rank's trainer: the TRACE caches their recorders seal, through
+        one trace.exchange into the trainer's replay (rollouts/hand_over.py; a no-op without TRACE)."""
         ...
 
     def idle(self) -> None:

@@ -2,8 +2,9 @@
 
 Per step: trainer rank 0 sends Generate and the weights (BroadcastSync); each engine generates its
 contiguous share of the prompt groups (same seeds and sample indices as one engine would use); samples and
-rollouts (without TRACE captures) go to every rank; each engine seals the TRACE cache of its samples and
-`megatron_qrl.trace.exchange` ships every trainer rank the samples it trains (trace_specs).
+rollouts (without TRACE captures: a handle each) go to every rank; each engine's recorder seals the TRACE cache of
+its samples and hand_over's `megatron_qrl.trace.exchange` ships every trainer rank the samples it trains
+(rollouts/hand_over.py), which its replay loads.
 """
 from __future__ import annotations
 
@@ -12,23 +13,8 @@ from typing import Optional
 
 from ..commands import Evaluate, Generate, Save, Stop
 from ..wire import gather_from_engines
+from .hand_over import hand_over_to_replay
 from .protocol import RolloutsContext
-
-
-def trace_specs(cfg, place, num_samples: int) -> dict:
-    """rank -> ShardSpec: each trainer rank receives the samples its data-parallel split trains (full
-    hidden width: under tensor parallelism the trainer's MicroBatchGuides slices row-parallel sites) and,
-    under expert parallelism, its own experts' rows for every sample of its EP group."""
-    from megatron_qrl.trace import ShardSpec
-
-    t = cfg.trainer
-    dp = place.num_trainers // (t.tensor_parallel * t.pipeline_parallel)
-    # Megatron's rank order tp-cp-ep-dp-pp (cp = 1): rank = tp_rank + tp * (dp_rank + dp * pp_rank)
-    return {r: ShardSpec.for_rank(num_samples, dp_rank=(r // t.tensor_parallel) % dp, dp_size=dp,
-                                  micro_batch_size=t.micro_batch_size, tp_rank=r % t.tensor_parallel,
-                                  tp_size=t.tensor_parallel, num_experts=cfg.model.num_experts,
-                                  ep_size=t.expert_parallel, etp_size=t.expert_tensor_parallel)
-            for r in range(place.num_trainers)}
 
 
 class RemoteRollouts(RolloutsContext):
@@ -51,17 +37,10 @@ class RemoteRollouts(RolloutsContext):
         self._build_s = max(p["trace_build_s"] for p in parts)
         return samples, rollouts, {"rollout/s": max(p["generate_s"] for p in parts)}
 
-    def trace(self, batch, step: int):
-        from megatron_qrl.trace import TraceMetrics, exchange
-
-        bridge = self.s.trace
-        if not bridge.enabled:
-            return None, {}
-        metrics = TraceMetrics()
-        t0 = time.perf_counter()
-        cache = exchange(None, trace_specs(self.s.cfg, self.place, len(batch.rollouts)), metrics=metrics)
-        return bridge.guides(cache, batch, step, step, {"trace/build_s": self._build_s,
-                                                         "trace/transfer_s": time.perf_counter() - t0}, metrics)
+    def hand_over(self, batch, step: int) -> None:
+        """The engine ranks' TRACE caches (sealed before they sent the samples) through the exchange."""
+        if self.s.trainer.trace is not None:
+            hand_over_to_replay(self.s, self.place, None, batch, step, self._build_s)
 
     def idle(self) -> None:
         pass

@@ -31,8 +31,8 @@ class SGLangServerRollouts(SyncingRollouts):
             rollouts = broadcast_object(rollouts if dist.get_rank() == 0 else None, src=0)
         return samples, rollouts, {"rollout/s": time.perf_counter() - t0}
 
-    def trace(self, batch, step: int):
-        return self.s.trace.prepare(batch, step=step, version=step)  # disabled: (None, {})
+    def hand_over(self, batch, step: int) -> None:
+        """Nothing to hand over: SGLang records no TRACE bits (config validation refuses trace.enabled)."""
 
     def idle(self) -> None:
         self.weights.drop_retained()                                   # the trainer's turn: drop the payload
