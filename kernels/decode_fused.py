@@ -4,7 +4,10 @@ At decode batch sizes a step is bound by kernel launches, not bytes: torch's RMS
 Megatron's unfused RoPE ~10 per tensor plus cos/sin per call, the cache write two index_put. These kernels
 do each group of them in one launch, with the numerics of the torch op sequence they replace:
 - `add_rmsnorm`: residual add + RMSNorm with AQN noise (models/aqn_norm.py RMSNorm.forward), one program
-  per row; `embed_rmsnorm` takes the rows from an embedding table by token id instead (the first norm);
+  per row; x may be the k routed-expert slot outputs [B, k, N] of an MoE layer, summed here in fp32 in slot
+  order and rounded to the model dtype (what `.float().sum(1).to(dtype)` computes, minus three launches and
+  an fp32 [B, k, N] temporary); `embed_rmsnorm` takes the rows from an embedding table by token id instead
+  (the first norm);
 - `qk_norm_rope_cache`: from the QKV linear's output (Megatron's per-group layout), QK-norm, RoPE on the
   query heads and the key, the K/V cache write at (slot, position), the query out; one program per
   (row, KV group).
@@ -46,9 +49,9 @@ def _norm_weight(w_ptr, noise_ptr, offs, mask, HAS_NOISE: tl.constexpr, RNE: tl.
 # ------------------------------------------------------------------------------------ add + RMSNorm
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, ids_ptr, w_ptr, noise_ptr, y_ptr, h_ptr, N, eps,
-                        stride_x, stride_res, stride_y, stride_h,
+                        stride_x, stride_slot, stride_res, stride_y, stride_h,
                         HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, HAS_NOISE: tl.constexpr,
-                        WRITE_H: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr):
+                        WRITE_H: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -57,6 +60,10 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, ids_ptr, w_ptr, noise_ptr, y_ptr, h_ptr,
     else:
         src = row
     h = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SLOTS > 1:                                                    # expert slot outputs: fp32 sum in order
+        for j in tl.static_range(1, SLOTS):
+            h += tl.load(x_ptr + src * stride_x + j * stride_slot + cols, mask=mask, other=0.0).to(tl.float32)
+        h = _round_like(h, h_ptr, RNE)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         h = _round_like(r + h, h_ptr, RNE)                             # residual + x in x's dtype
@@ -79,38 +86,46 @@ def _check_norm_params(weight: torch.Tensor, noise: Optional[torch.Tensor], n: i
                          f"{None if noise is None else tuple(noise.shape)}")
 
 
-def _launch_norm(x2, res2, ids, weight, noise, eps, y2, h2, n_rows: int, gather: bool, write_h: bool) -> None:
+def _launch_norm(x2, res2, ids, weight, noise, eps, y2, h2, n_rows: int, gather: bool, write_h: bool,
+                 slots: int = 1) -> None:
+    """x2: rows [R, N], or with slots > 1 slot outputs [R, slots, N] (unit stride along N)."""
     n = weight.shape[0]
     block = triton.next_power_of_2(n)
     w = weight.contiguous()
     z = noise.contiguous() if noise is not None else w
     _add_rmsnorm_kernel[(n_rows,)](
         x2, res2 if res2 is not None else x2, ids if ids is not None else x2, w, z, y2, h2, n, float(eps),
-        x2.stride(0), res2.stride(0) if res2 is not None else 0, y2.stride(0), h2.stride(0),
-        HAS_RESIDUAL=res2 is not None, GATHER=gather, HAS_NOISE=noise is not None, WRITE_H=write_h,
-        BLOCK=block, RNE=INTERPRET, num_warps=min(16, max(1, block // 512)))
+        x2.stride(0), x2.stride(1) if slots > 1 else 0, res2.stride(0) if res2 is not None else 0, y2.stride(0),
+        h2.stride(0), HAS_RESIDUAL=res2 is not None, GATHER=gather, HAS_NOISE=noise is not None, WRITE_H=write_h,
+        SLOTS=slots, BLOCK=block, RNE=INTERPRET, num_warps=min(16, max(1, block // 512)))
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: Optional[torch.Tensor], eps: float,
-                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: Optional[torch.Tensor] = None, slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = residual + x (in x's dtype; h = x without a residual), y = RMSNorm_{weight+noise}(h).
 
     x / residual [..., N] of one dtype, weight [N] (model dtype), noise [N] (the AQN buffer, any float
-    dtype) or None. One launch; h is the new residual stream (x itself when there is no residual)."""
+    dtype) or None. slots: x is [R, k, N], the k expert slot outputs of residual's R rows, and the x above
+    is their fp32 sum in slot order rounded to x's dtype. One launch; h is the new residual stream (x itself
+    when there is neither a residual nor slots)."""
     n = x.shape[-1]
     _check_norm_params(weight, noise, n)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    rows_shape = x.shape[:-2] + x.shape[-1:] if slots else x.shape
+    if slots and (x.dim() != 3 or x.stride(-1) != 1):
+        raise ValueError(f"slot outputs must be [rows, k, N] with unit stride along N, got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != rows_shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
-                         f"{tuple(x.shape)} {x.dtype}")
-    x2 = _rows(x)
+                         f"{tuple(rows_shape)} {x.dtype}")
+    x2 = x if slots else _rows(x)
     res2 = _rows(residual) if residual is not None else None
-    y2 = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    h2 = torch.empty_like(y2) if residual is not None else x2
+    y2 = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    new_h = residual is not None or slots
+    h2 = torch.empty_like(y2) if new_h else x2
     if x2.shape[0]:
-        _launch_norm(x2, res2, None, weight, noise, eps, y2, h2, x2.shape[0], gather=False,
-                     write_h=residual is not None)
-    h = h2.view(x.shape) if residual is not None else x
-    return y2.view(x.shape), h
+        _launch_norm(x2, res2, None, weight, noise, eps, y2, h2, x2.shape[0], gather=False, write_h=new_h,
+                     slots=x.shape[1] if slots else 1)
+    h = h2.view(rows_shape) if new_h else x
+    return y2.view(rows_shape), h
 
 
 def embed_rmsnorm(tokens: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, noise: Optional[torch.Tensor],
@@ -139,7 +154,17 @@ def rmsnorm_reference(h: torch.Tensor, weight: torch.Tensor, noise: Optional[tor
     return (y * w.float()).to(h.dtype)
 
 
-def add_rmsnorm_reference(x, weight, noise, eps, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_slots(x: torch.Tensor) -> torch.Tensor:
+    """[R, k, N] expert slot outputs -> [R, N]: fp32 sum in slot order, rounded to x's dtype."""
+    acc = x[:, 0].float()
+    for j in range(1, x.shape[1]):
+        acc = acc + x[:, j].float()
+    return acc.to(x.dtype)
+
+
+def add_rmsnorm_reference(x, weight, noise, eps, residual=None, slots=False) -> tuple[torch.Tensor, torch.Tensor]:
+    if slots:
+        x = sum_slots(x)
     h = x if residual is None else residual + x
     return rmsnorm_reference(h, weight, noise, eps), h
 

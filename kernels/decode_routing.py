@@ -8,12 +8,15 @@ launches of tiny kernels, and at decode batch sizes a CUDA-graph step is bound b
 - top-k per row by iterative argmax (ties -> lower expert index), slots in descending score order;
 - probabilities: softmax over the k selected logits in float32 (or, pre-softmax, the selected entries of
   the float32 softmax over all experts), times the optional scaling factor, cast to the logits' dtype;
-- the alignment: a counting sort of the T*k assignments t*k + j by expert in one program (histogram,
-  prefix sum of the block_m-padded counts, per-chunk one-hot cumsum for the stable rank), identical to
-  moe_align's sorted_ids / block_expert with the same static `max_blocks` bound.
-Up to FUSED_MAX_TOKENS rows everything runs in one program (top-k rows, a CTA barrier, the sort); above it
-the top-k runs over a grid of row blocks and the sort in a second launch. No host synchronisation, output
-shapes from input shapes only (CUDA-graph capturable). `align_only(ids, E, block_m)` is the sort alone.
+- the alignment: a stable counting sort of the T*k assignments t*k + j by expert, identical to moe_align's
+  sorted_ids / block_expert with the same static `max_blocks` bound.
+Two launches, each over up to MAX_PROGRAMS programs of consecutive rows: (1) each program's top-k rows and
+its per-expert assignment counts (hist[program, expert]); (2) each program reads all counts, takes the
+block_m-padded prefix sums, and scatters its own assignments (its offset within an expert = that expert's
+assignments in earlier programs, its rank inside = a one-hot cumsum), then writes its share of the blocks'
+experts and pads. Until 2026-12-02 one program did all of it: its serial chunks cost 21 / 40 / 139 us per
+layer at 16 / 64 / 256 rows on an H200 (docs/PERF.md). No host synchronisation, output shapes from input
+shapes only (CUDA-graph capturable). `align_only(ids, E, block_m)` is the sort alone.
 Reference: torch.topk + Megatron's function + moe_align (tests/test_kernels_decode_routing.py).
 """
 from __future__ import annotations
@@ -28,8 +31,8 @@ from .moe_grouped_gemm import MoERouting, max_blocks
 from .rounding import _cast_out
 from .w4a16_gemm import INTERPRET
 
-# rows routed by the single fused program; larger batches (prefill-sized) spread the top-k over a grid
-FUSED_MAX_TOKENS = 256
+# programs per launch at most (decode batches get one per BLOCK_T rows; prefill-sized ones loop inside)
+MAX_PROGRAMS = 128
 # elements of the [rows, experts] register tiles (one-hot and logits tiles of one loop iteration); the CPU
 # interpreter pays per operation, not per element, so it takes larger tiles (same code, fewer iterations)
 _TILE = 32768 if INTERPRET else 4096
@@ -39,7 +42,8 @@ _TILE = 32768 if INTERPRET else 4096
 def _topk_rows(logits_ptr, stride_l, probs_ptr, ids_ptr, row0, T, E, scaling,
                TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
                PRE_SOFTMAX: tl.constexpr, HAS_SCALE: tl.constexpr, RNE: tl.constexpr):
-    """Top-k and probabilities of rows row0 .. row0 + BLOCK_T - 1 (rows >= T are skipped)."""
+    """Top-k and probabilities of rows row0 .. row0 + BLOCK_T - 1 (rows >= T are skipped); returns the ids
+    tile [BLOCK_T, K_PAD] (slots >= TOP_K hold 0)."""
     rows = row0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     row_ok = rows < T
@@ -73,41 +77,77 @@ def _topk_rows(logits_ptr, stride_l, probs_ptr, ids_ptr, row0, T, E, scaling,
     mask = row_ok[:, None] & slot_ok[None, :]
     tl.store(probs_ptr + out, _cast_out(p, probs_ptr, RNE), mask=mask)
     tl.store(ids_ptr + out, ids.to(ids_ptr.dtype.element_ty), mask=mask)
+    return ids
 
 
-@triton.jit
-def _align(ids_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks,
-           BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
-    """Counting sort of n assignments (ids_ptr: their experts) by expert, runs padded to BLOCK_M (pad
-    value n), in one program: real entries and pads land on disjoint positions (no ordering needed)."""
+@triton.jit(do_not_specialize=["T", "rows_per_prog"])
+def _count_kernel(logits_ptr, stride_l, probs_ptr, ids_ptr, hist_ptr, T, E, rows_per_prog, scaling,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
+                  PRE_SOFTMAX: tl.constexpr, HAS_SCALE: tl.constexpr, RNE: tl.constexpr, TOPK: tl.constexpr):
+    """Phase 1, program p over rows [p * rows_per_prog, (p + 1) * rows_per_prog): TOPK: the rows' top-k ids
+    and probabilities from the logits (else the ids are given), and the rows' assignments counted per expert
+    into hist[p, :]."""
+    pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
+    slots = tl.arange(0, K_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for start in range(0, n, CHUNK):
-        a = start + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + a, mask=a < n, other=-1).to(tl.int32)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    for r in range(0, rows_per_prog, BLOCK_T):
+        rows = pid * rows_per_prog + r + tl.arange(0, BLOCK_T)
+        if TOPK:
+            ids = _topk_rows(logits_ptr, stride_l, probs_ptr, ids_ptr, pid * rows_per_prog + r, T, E, scaling,
+                             TOP_K, K_PAD, BLOCK_T, E_PAD, PRE_SOFTMAX, HAS_SCALE, RNE)
+        else:
+            ids = tl.load(ids_ptr + rows.to(tl.int64)[:, None] * TOP_K + slots[None, :],
+                          mask=(rows < T)[:, None] & (slots < TOP_K)[None, :], other=0).to(tl.int32)
+        for j in tl.static_range(TOP_K):                  # one [rows, experts] one-hot per slot
+            e = tl.sum(tl.where(slots[None, :] == j, ids, 0), 1)
+            e = tl.where(rows < T, e, -1)
+            counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    tl.store(hist_ptr + pid * E_PAD + experts, counts)
+
+
+@triton.jit(do_not_specialize=["n", "num_blocks", "num_progs", "per_prog"])
+def _scatter_kernel(ids_ptr, hist_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks, num_progs, per_prog,
+                    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, P_CHUNK: tl.constexpr,
+                    BLOCK_CHUNK: tl.constexpr):
+    """Phase 2, program p: the stable counting sort of its assignments [p * per_prog, (p + 1) * per_prog)
+    (position = the expert's padded start + the expert's assignments in programs < p + the rank in p), and
+    its share of the blocks' experts and pad entries (value n). Real entries and pads land on disjoint
+    positions, so the programs need no ordering among themselves."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    total = tl.zeros((E_PAD,), dtype=tl.int32)
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, num_progs, P_CHUNK):
+        ps = p0 + tl.arange(0, P_CHUNK)
+        h = tl.load(hist_ptr + ps[:, None] * E_PAD + experts[None, :], mask=(ps < num_progs)[:, None], other=0)
+        total += tl.sum(h, 0)
+        before += tl.sum(tl.where((ps < pid)[:, None], h, 0), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end_padded = tl.cumsum(padded, 0)
     start_padded = end_padded - padded
-    # stable scatter: an assignment's position = its expert's cursor + its rank among the chunk's same-expert
-    # assignments (exclusive one-hot cumsum); chunks in ascending assignment order
-    cursor = start_padded
-    for start in range(0, n, CHUNK):
+    cursor = start_padded + before
+    lo = pid * per_prog
+    hi = tl.minimum(lo + per_prog, n)
+    for start in range(lo, hi, CHUNK):
         a = start + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + a, mask=a < n, other=-1).to(tl.int32)
+        e = tl.load(ids_ptr + a, mask=a < hi, other=-1).to(tl.int32)
         onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, 0) - onehot
+        rank = tl.cumsum(onehot, 0) - onehot                    # rank among this chunk's same-expert rows
         dest = tl.sum(onehot * (rank + cursor[None, :]), 1)
-        tl.store(sorted_ptr + dest, a, mask=a < n)
+        tl.store(sorted_ptr + dest, a, mask=a < hi)
         cursor += tl.sum(onehot, 0)
     # blocks: expert = number of experts whose padded run ends at or before the block's start (moe_align's
     # searchsorted, right=True), -1 past the last run; positions past the expert's real rows are pads
-    real_end = start_padded + counts
+    real_end = start_padded + total
     ends = tl.where(experts < E, end_padded, 2147483647)
     rows = tl.arange(0, BLOCK_M)
-    for b0 in range(0, num_blocks, BLOCK_CHUNK):
+    blocks_per_prog = tl.cdiv(num_blocks, num_progs)
+    b_lo = pid * blocks_per_prog
+    b_hi = tl.minimum(b_lo + blocks_per_prog, num_blocks)
+    for b0 in range(b_lo, b_hi, BLOCK_CHUNK):
         b = b0 + tl.arange(0, BLOCK_CHUNK)
-        b_ok = b < num_blocks
+        b_ok = b < b_hi
         first = b * BLOCK_M
         expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
         tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1), mask=b_ok)
@@ -117,44 +157,38 @@ def _align(ids_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks,
         tl.store(sorted_ptr + pos, pad, mask=b_ok[:, None] & (pos >= first_pad[:, None]))
 
 
-@triton.jit(do_not_specialize=["T", "num_blocks"])
-def _route_kernel(logits_ptr, stride_l, probs_ptr, ids_ptr, sorted_ptr, block_expert_ptr, T, E, num_blocks,
-                  scaling,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
-                  PRE_SOFTMAX: tl.constexpr, HAS_SCALE: tl.constexpr, RNE: tl.constexpr, FUSED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
-    """FUSED: one program routes all T rows, then (after a CTA barrier: the sort reads the ids it wrote)
-    aligns them. Otherwise program i routes row block i and the sort is `_align_kernel`."""
-    if FUSED:
-        for row0 in range(0, T, BLOCK_T):
-            _topk_rows(logits_ptr, stride_l, probs_ptr, ids_ptr, row0, T, E, scaling, TOP_K, K_PAD, BLOCK_T,
-                       E_PAD, PRE_SOFTMAX, HAS_SCALE, RNE)
-        tl.debug_barrier()
-        _align(ids_ptr, T * TOP_K, E, sorted_ptr, block_expert_ptr, num_blocks, BLOCK_M, E_PAD, CHUNK,
-               BLOCK_CHUNK)
-    else:
-        _topk_rows(logits_ptr, stride_l, probs_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, T, E, scaling, TOP_K,
-                   K_PAD, BLOCK_T, E_PAD, PRE_SOFTMAX, HAS_SCALE, RNE)
-
-
-@triton.jit(do_not_specialize=["n", "num_blocks"])
-def _align_kernel(ids_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
-    _align(ids_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks, BLOCK_M, E_PAD, CHUNK, BLOCK_CHUNK)
-
-
 def _tile_rows(e_pad: int, wanted: int) -> int:
     """Rows of a [rows, e_pad] tile: as many as `wanted` (a power of two >= 16 at most) within _TILE."""
     return max(1, min(_TILE // e_pad, max(16, triton.next_power_of_2(max(1, wanted)))))
 
 
-def _align_args(n: int, num_experts: int, block_m: int, device):
-    e_pad = triton.next_power_of_2(num_experts)
-    nb = max_blocks(n, num_experts, block_m)
-    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(nb, dtype=torch.int32, device=device)
-    meta = dict(BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_tile_rows(e_pad, n), BLOCK_CHUNK=_tile_rows(e_pad, nb))
-    return sorted_ids, block_expert, nb, meta
+def _route(logits, ids, probs, t: int, k: int, e: int, block_m: int, pre_softmax: bool = False,
+           scaling_factor: Optional[float] = None) -> MoERouting:
+    """The two launches: per-program top-k (when logits is given) and expert counts, then the sort."""
+    dev = ids.device
+    n = t * k
+    e_pad, k_pad = triton.next_power_of_2(e), triton.next_power_of_2(k)
+    nb = max_blocks(n, e, block_m)
+    # [rows, E] tiles of 16 rows: one program per 16 rows on a GPU (the interpreter pays per program: larger)
+    block_t = _tile_rows(e_pad, t if INTERPRET else min(t, 16))
+    # rows per program: a multiple of block_t giving at most MAX_PROGRAMS programs
+    rows_per_prog = block_t * triton.cdiv(triton.cdiv(t, MAX_PROGRAMS), block_t)
+    progs = triton.cdiv(t, rows_per_prog)
+    hist = torch.empty((progs, e_pad), dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    topk = logits is not None
+    _count_kernel[(progs,)](
+        logits if topk else ids, logits.stride(0) if topk else 0, probs if topk else ids, ids, hist, t, e,
+        rows_per_prog, float(scaling_factor) if scaling_factor else 1.0,
+        TOP_K=k, K_PAD=k_pad, BLOCK_T=block_t, E_PAD=e_pad, PRE_SOFTMAX=pre_softmax,
+        HAS_SCALE=bool(scaling_factor), RNE=INTERPRET, TOPK=topk, num_warps=4)
+    per = rows_per_prog * k
+    _scatter_kernel[(progs,)](
+        ids, hist, n, e, sorted_ids, block_expert, nb, progs, per,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_tile_rows(e_pad, per), P_CHUNK=_tile_rows(e_pad, progs),
+        BLOCK_CHUNK=_tile_rows(e_pad, triton.cdiv(nb, progs)), num_warps=4)
+    return MoERouting(sorted_ids, block_expert, nb, block_m, t, k)
 
 
 def _check(num_experts: int, block_m: int) -> None:
@@ -165,23 +199,19 @@ def _check(num_experts: int, block_m: int) -> None:
 
 
 def align_only(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> MoERouting:
-    """moe_align(topk_ids, num_experts, block_m) in one launch (same sorted_ids, block_expert, num_blocks)."""
+    """moe_align(topk_ids, num_experts, block_m) in two launches (same sorted_ids, block_expert, num_blocks)."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got {tuple(topk_ids.shape)}")
     _check(num_experts, block_m)
     t, k = topk_ids.shape
-    ids = topk_ids.contiguous()
-    sorted_ids, block_expert, nb, meta = _align_args(t * k, num_experts, block_m, ids.device)
-    _align_kernel[(1,)](ids, t * k, num_experts, sorted_ids, block_expert, nb, **meta, num_warps=4)
-    return MoERouting(sorted_ids, block_expert, nb, block_m, t, k)
+    return _route(None, topk_ids.contiguous(), None, t, k, num_experts, block_m)
 
 
 def route_and_align(logits: torch.Tensor, top_k: int, block_m: int, score: str = "softmax",
                     pre_softmax: bool = False, scaling_factor: Optional[float] = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, MoERouting]:
     """Router logits [T, E] -> (probs [T, k] in logits.dtype, ids [T, k] int64, the MoERouting of the ids
-    for block_m), as Megatron's softmax top-k routing + moe_align compute them; 1 launch up to
-    FUSED_MAX_TOKENS rows, else 2."""
+    for block_m), as Megatron's softmax top-k routing + moe_align compute them; two launches."""
     if score != "softmax":
         raise ValueError(f"route_and_align implements the softmax score function, got {score!r}")
     if logits.dim() != 2:
@@ -192,19 +222,7 @@ def route_and_align(logits: torch.Tensor, top_k: int, block_m: int, score: str =
     _check(e, block_m)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    dev = logits.device
-    probs = torch.empty((t, top_k), dtype=logits.dtype, device=dev)
-    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
-    sorted_ids, block_expert, nb, meta = _align_args(t * top_k, e, block_m, dev)
-    fused = t <= FUSED_MAX_TOKENS
-    block_t = _tile_rows(meta["E_PAD"], t)
-    args = (logits, logits.stride(0), probs, ids, sorted_ids, block_expert, t, e, nb,
-            float(scaling_factor) if scaling_factor else 1.0)
-    kw = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, PRE_SOFTMAX=pre_softmax,
-              HAS_SCALE=bool(scaling_factor), RNE=INTERPRET, **meta)
-    if fused:
-        _route_kernel[(1,)](*args, FUSED=True, **kw, num_warps=4)
-    else:
-        _route_kernel[(triton.cdiv(t, block_t),)](*args, FUSED=False, **kw, num_warps=4)
-        _align_kernel[(1,)](ids, t * top_k, e, sorted_ids, block_expert, nb, **meta, num_warps=4)
-    return probs, ids, MoERouting(sorted_ids, block_expert, nb, block_m, t, top_k)
+    probs = torch.empty((t, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    routing = _route(logits, ids, probs, t, top_k, e, block_m, pre_softmax, scaling_factor)
+    return probs, ids, routing

@@ -70,6 +70,27 @@ def test_add_rmsnorm_without_residual_or_noise(dtype):
     assert torch.equal(add_rmsnorm(x, weight, zeros, 1e-5)[0], y)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_add_rmsnorm_sums_expert_slots_in_fp32_slot_order(dtype, k):
+    """x = the k slot outputs [R, k, N] of an MoE layer: their fp32 sum in slot order, rounded to the model
+    dtype, is the delta added to the residual (exactly: the sum is one rounding, as is the residual add);
+    a strided slot view (the down projection's [R * k, N] output viewed [R, k, N]) reads the same."""
+    g = _gen(10 + k)
+    x, res = _randn(6, k, 128, g=g, dtype=dtype), _randn(6, 128, g=g, dtype=dtype, scale=3.0)
+    weight = (1 + _randn(128, g=g, scale=0.1)).to(dtype)
+    noise = _randn(128, g=g, scale=0.05)
+    y, h = add_rmsnorm(x, weight, noise, 1e-6, residual=res, slots=True)
+    y_ref, h_ref = add_rmsnorm_reference(x, weight, noise, 1e-6, residual=res, slots=True)
+    assert torch.equal(h, h_ref) and h.shape == res.shape
+    assert_close_to_reference(y, y_ref)
+    wide = _randn(6, k, 256, g=g, dtype=dtype)[:, :, :128]          # slot stride 256, row stride k * 256
+    assert torch.equal(add_rmsnorm(wide, weight, noise, 1e-6, residual=res, slots=True)[1],
+                       add_rmsnorm_reference(wide, weight, noise, 1e-6, residual=res, slots=True)[1])
+    y0, h0 = add_rmsnorm(x, weight, None, 1e-6, slots=True)         # no residual: h is the slot sum itself
+    assert torch.equal(h0, add_rmsnorm_reference(x, weight, None, 1e-6, slots=True)[1])
+
+
 def test_noise_is_rounded_to_the_weight_dtype_before_the_multiply():
     """weight + noise is a bf16 add (RMSNorm.effective_weight): noise below half a weight ulp vanishes."""
     weight = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)

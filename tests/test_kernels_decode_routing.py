@@ -72,7 +72,7 @@ def check_route(logits, k, block_m, pre_softmax=False, scaling=None):
     (64, 128, 8, 16, torch.bfloat16, True, 2.5),
     (37, 60, 4, 32, torch.float16, True, None),          # E not a power of two
     (200, 256, 8, 16, torch.float32, False, 1.5),
-    (257, 128, 8, 16, torch.bfloat16, False, None),      # past FUSED_MAX_TOKENS: grid top-k + align launch
+    (257, 128, 8, 16, torch.bfloat16, False, None),      # a partial last row block
     (2048, 128, 8, 64, torch.bfloat16, False, None),
     (2048, 256, 8, 16, torch.bfloat16, True, None),
     (16, 8, 8, 16, torch.bfloat16, False, None),         # k = E
@@ -120,14 +120,23 @@ def test_the_wide_top1_alignment_equals_the_topk_one():
     assert torch.equal(flat.sorted_ids, routing.sorted_ids) and torch.equal(flat.block_expert, routing.block_expert)
 
 
-def test_fused_and_grid_paths_agree(monkeypatch):
+def test_any_split_over_programs_gives_the_same_routing(monkeypatch):
+    """One program for all rows, one per row block, and several row blocks per program (prefill-sized
+    batches) give identical outputs: the sort's offsets across programs come from the counts alone."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(100, 64, generator=g).to(torch.bfloat16).to(DEVICE)
-    fused = route_and_align(logits, 4, 16)
-    monkeypatch.setattr(decode_routing, "FUSED_MAX_TOKENS", 8)
-    grid = route_and_align(logits, 4, 16)
-    assert torch.equal(fused[0], grid[0]) and torch.equal(fused[1], grid[1])
-    assert_same_routing(fused[2], grid[2])
+    results = []
+    tile = decode_routing._TILE
+    # (programs at most, tile): 1 program of 100 rows; 7 programs of a 16-row block; 3 programs of 3 blocks
+    for programs, tile in ((1, tile), (128, 16 * 64), (3, 16 * 64)):
+        monkeypatch.setattr(decode_routing, "MAX_PROGRAMS", programs)
+        monkeypatch.setattr(decode_routing, "_TILE", tile)
+        results.append(check_route(logits, 4, 16))
+        flat = align_only(results[-1][1], 64, 16)
+        assert_same_routing(flat, results[-1][2])
+    for other in results[1:]:
+        assert torch.equal(results[0][0], other[0]) and torch.equal(results[0][1], other[1])
+        assert_same_routing(results[0][2], other[2])
 
 
 def test_refuses_what_it_does_not_implement():

@@ -10,6 +10,7 @@ decode-attention kernel against the eager engine with the same kernels.
 import pytest
 import torch
 
+from megatron_qrl.kernels.decode_fused import sum_slots
 from megatron_qrl.rollout import EmbeddedEngine, SamplingParams
 from megatron_qrl.rollout.decode_path import resolve_decode_mode
 from megatron_qrl.rollout.graph_decode import batch_buckets
@@ -178,6 +179,8 @@ def test_fp4_kernel_experts_match_megatron_experts(source_model, fmt):
     probs = torch.softmax(torch.randn(6, 2, generator=g), -1)
     active = torch.tensor([True, True, False, True, True, True])
     (y_ref, c_ref), (y_ker, c_ker) = ref(x, ids, probs, active), ker(x, ids, probs, active)
+    assert y_ker.shape == (6, 2, 64)                # the k slot outputs; the step sums them
+    y_ker = sum_slots(y_ker)
     a = active
     err = float((y_ref[a] - y_ker[a]).norm() / y_ref[a].norm())
     assert err < 2e-2, err
@@ -187,7 +190,7 @@ def test_fp4_kernel_experts_match_megatron_experts(source_model, fmt):
     x2 = x.clone()
     x2[2] = 100.0                                   # an inactive row's input must not move anyone's scale
     y2, c2 = ker(x2, ids, probs, active)
-    assert torch.equal(y2[a], y_ker[a]) and torch.equal(c2["fc1"]["bits"][a], c_ker["fc1"]["bits"][a])
+    assert torch.equal(sum_slots(y2)[a], y_ker[a]) and torch.equal(c2["fc1"]["bits"][a], c_ker["fc1"]["bits"][a])
 
 
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
@@ -337,10 +340,11 @@ def test_grouped_bf16_experts_match_megatron_experts(source_model):
     ref, _ = MegatronExperts(mlp, False, False)(x, ids, probs, active)
     grouped = GroupedBF16Experts(mlp)
     out, cap = grouped(x, ids, probs, active)
+    out = sum_slots(out)
     assert cap is None and torch.allclose(out, ref, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         mlp.local_experts[2].linear_fc2.weight.mul_(2.0)         # an in-place update of one expert
     assert torch.equal(grouped.w2[2], mlp.local_experts[2].linear_fc2.weight)
-    moved, _ = grouped(x, ids, probs, active)
+    moved = sum_slots(grouped(x, ids, probs, active)[0])
     assert torch.allclose(moved, MegatronExperts(mlp, False, False)(x, ids, probs, active)[0], atol=1e-6, rtol=1e-5)
     assert not torch.allclose(moved, out)

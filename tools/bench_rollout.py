@@ -61,6 +61,7 @@ def _parse(argv):
     p.add_argument("--eager-batches", default="1,16", help="batches for the eager engines (slow at large B)")
     p.add_argument("--overheads", type=int, default=0, help="batch for the TRACE and sampling overheads (0: off)")
     p.add_argument("--check", type=int, default=0, help="batch for the graph-vs-eager checks (0: off)")
+    p.add_argument("--profile", default="", help="batches whose captured fp4/bf16 step is profiled per kernel")
     p.add_argument("--hbm-tbs", type=float, default=4.0, help="bandwidth of the HBM floor (TB/s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -73,6 +74,7 @@ def _parse(argv):
     a.layers = [int(x) for x in str(a.layers).split(",") if x]
     a.batches = [int(b) for b in str(a.batches).split(",") if b]
     a.eager_batches = [int(b) for b in str(a.eager_batches).split(",") if b]
+    a.profile = [int(b) for b in str(a.profile).split(",") if b]
     a.engines = [s.strip() for s in a.engines.split(",") if s.strip()]
     bad = [s for s in a.engines if s not in ENGINES and s != "hf"]
     if bad:
@@ -247,6 +249,72 @@ def graph_step_ms(engine, batch: int, a, steps: int = 32) -> float:
     return start.elapsed_time(end) / steps
 
 
+# kernel name pattern -> the part of the step it belongs to (first match wins)
+STEP_PARTS = [("experts (grouped FP4 / BF16 GEMMs)", r"moe_gemm|moe_gemv|grouped|_x_to_f16"),
+              ("FP4 activation quant + capture", r"fake_quant|quant_capture|fp4_quant"),
+              ("decode attention", r"cache_decode|decode_attn|combine"),
+              ("routing (top-k + align)", r"route|align|topk|sort"),
+              ("norms / QK-norm + RoPE + KV write", r"rmsnorm|qk_norm|rope|embed"),
+              ("sampling + log-prob", r"sampl|uniform|logprob|argmax|_greedy|_pick"),
+              ("cuBLAS GEMMs (attention linears, router, LM head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90|ampere"),
+              ("elementwise / copies / indexing", r".")]
+
+
+def profile_step(engine, batch: int, a, steps: int = 8) -> dict:
+    """Per-kernel device time of one captured decode step at `batch` rows (torch.profiler over graph replays;
+    if the replays show no kernels, over eager runs of the same step): {part: us/step}, top kernels, total."""
+    import re
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_qrl.rollout.protocol import SamplingParams
+
+    loop = engine._static_loop
+    if loop is None or not torch.cuda.is_available():
+        return {}
+    st = loop.state
+    bucket = next(b for b in loop.buckets if b >= batch)
+    saved = st.snapshot()
+    st.active[:batch] = True
+    st.positions[:batch] = a.prompt_len
+    st.slots[:batch] = torch.arange(batch, device=st.slots.device)
+    st.n_gen[:batch] = 1
+    st.max_new.fill_(10 ** 6)
+    params = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens)
+    steps = min(steps, a.new_tokens - 1)
+    result = {}
+    for mode in ("graph", "eager"):
+        run = (lambda: loop.graphs.run(bucket, params)) if mode == "graph" else (lambda: loop._step(bucket, params))
+        run()
+        torch.cuda.synchronize()
+        st.restore(saved)
+        st.active[:batch] = True
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                run()
+            torch.cuda.synchronize()
+        kernels = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+            if t > 0 and ev.key not in ("cudaGraphLaunch",) and not ev.key.startswith("cuda"):
+                kernels[ev.key] = (t / steps, ev.count / steps)
+        if kernels:
+            parts = {}
+            for name, (us, _) in kernels.items():
+                part = next(p for p, pat in STEP_PARTS if re.search(pat, name, re.I))
+                parts[part] = parts.get(part, 0.0) + us
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
+            result = {"source": mode, "batch": batch, "kernel_us_per_step": sum(us for us, _ in kernels.values()),
+                      "launches_per_step": sum(c for _, c in kernels.values()),
+                      "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+                      "top": [(n[:90], round(us, 1), round(c, 1)) for n, (us, c) in top]}
+            break
+    st.restore(saved)
+    st.active[:batch] = False
+    return result
+
+
 def hbm_floor_ms(cfg, batch: int, context: float, fp4: bool, tbs: float) -> float:
     """Bytes one decode step must read from HBM over `tbs` TB/s (see the module docstring)."""
     m = cfg.model
@@ -345,6 +413,14 @@ def run(a) -> dict:
                 if eng.decode_mode == "graphs":
                     res.setdefault("graph_step_ms", {}).setdefault(key, {}).setdefault(name, {})[b] = \
                         graph_step_ms(eng, b, a)
+                if b in a.profile and eng.decode_mode == "graphs":
+                    try:
+                        prof = profile_step(eng, b, a)
+                    except Exception as e:   # noqa: BLE001 - a profiler failure must not lose the timings
+                        prof = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    res.setdefault("profile", {}).setdefault(key, {}).setdefault(name, {})[b] = prof
+                    print(f"[bench] profile {layers} layers B={b} {name}: {json.dumps(prof)}", file=sys.stderr,
+                          flush=True)
                 print(f"[bench] {layers} layers B={b} {name}: {med:.1f} tok/s {[round(r, 1) for r in rates]}"
                       f" graph step {res.get('graph_step_ms', {}).get(key, {}).get(name, {}).get(b, float('nan')):.3f} ms",
                       file=sys.stderr, flush=True)
@@ -435,6 +511,18 @@ def table(res: dict) -> str:
             g4, g16 = graph.get("fp4", {}).get(b, nan), graph.get("bf16", {}).get(b, nan)
             row += [f"{step:.2f}", f"{g4:.3f}", f"{g16:.3f}", f"{floor:.2f}", f"{g4 / floor:.2f}x"]
             lines.append("| " + " | ".join(row) + " |")
+    for layers, engines in res.get("profile", {}).items():
+        for name, by_batch in engines.items():
+            for b, prof in by_batch.items():
+                if not prof or "error" in prof:
+                    continue
+                step = res.get("graph_step_ms", {}).get(layers, {}).get(name, {}).get(b, float("nan"))
+                lines += ["", f"step profile, {layers} layers, {name}, B={b} ({prof['source']} replays): kernels "
+                          f"{prof['kernel_us_per_step']:.0f} us of a {step * 1e3:.0f} us step, "
+                          f"{prof['launches_per_step']:.0f} launches",
+                          "| part | us/step | share of kernel time |", "|---|---|---|"]
+                lines += [f"| {p} | {us:.1f} | {us / prof['kernel_us_per_step']:.0%} |" for p, us in prof["parts_us"].items()]
+                lines += ["top kernels (us/step, launches/step): " + "; ".join(f"{n} {us} x{c}" for n, us, c in prof["top"])]
     if res.get("health"):
         lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
     if res.get("failed"):

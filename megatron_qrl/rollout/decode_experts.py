@@ -1,7 +1,9 @@
 """Routed-expert MLPs of one decode step (one new token per row), one implementation per weight form.
 
 All take the step's rows x [B, H], the router's top-k ids / probabilities [B, k] and the rows' `active`
-mask, and return (y [B, H], TRACE capture or None). A capture is {"fc1": rows, "fc2": rows} with each rows
+mask, and return (y, TRACE capture or None): y is the combined output [B, H], or the k weighted slot outputs
+[B, k, H] (the grouped paths) which the step sums in fp32 in slot order (`sum_slots`, or fused into the next
+residual add + norm: kernels/decode_fused.py). A capture is {"fc1": rows, "fc2": rows} with each rows
 a dict of tensors [B, k, ...] in (token, slot) order -- bits, scales, global_scale (NVFP4), codes -- the
 layout `ActivationCapture` gives routed-expert roles. Inactive rows (finished sequences, bucket padding)
 never change what active rows compute: their inputs are zeroed before any per-expert amax.
@@ -143,7 +145,7 @@ class FP4KernelExperts:
         x = torch.where(active[:, None], x, torch.zeros_like(x))
         if not self.w4a4:
             y = moe_w4a16(x.to(torch.bfloat16), w13, w2, ids, probs, routing=routing, combine=False)
-            return y.float().sum(1).to(x.dtype), None     # the k slots summed in fp32, as the unpermute does
+            return y.to(x.dtype), None       # [B, k, H]: the step sums the slots in fp32, as the unpermute does
         return self._w4a4(x, ids, probs, routing)
 
     def _w4a4(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, routing=None):
@@ -178,7 +180,7 @@ class FP4KernelExperts:
         hq, cap2 = self._quantize(h, flat, e)
         hq = torch.cat([hq.to(torch.bfloat16), hq.new_zeros((1, f), dtype=torch.bfloat16)])
         y = moe_down(hq[sid], w2, routing, torch.ones(n, dtype=torch.float32, device=hq.device), dn)
-        out = y.view(B, k, -1).float().sum(1).to(dtype)
+        out = y.view(B, k, -1).to(dtype)                                 # slot outputs, summed by the step
         if cap1 is None:
             return out, None
         shape = lambda t: t.view(B, k, *t.shape[1:])   # noqa: E731
@@ -214,4 +216,4 @@ class GroupedBF16Experts:
         y = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
         out = torch.empty_like(y)
         out[order] = y
-        return out.view(B, k, -1).sum(1), None
+        return out.view(B, k, -1), None                                  # slot outputs, summed by the step

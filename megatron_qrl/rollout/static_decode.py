@@ -148,11 +148,17 @@ class DecodeModel:
         return logits, records
 
     def _add_norm(self, norm, h: torch.Tensor, delta: Optional[torch.Tensor]):
-        """(norm(h + delta), h + delta), or (norm(h), h) without delta: the residual add and the norm after it."""
+        """(norm(h + delta), h + delta), or (norm(h), h) without delta: the residual add and the norm after it.
+        A delta [B, k, H] holds an MoE layer's slot outputs: their fp32 sum in slot order is the delta."""
         if self.fused_norms:
             if delta is None:
                 return self._fused.add_rmsnorm(h, norm.weight, norm.aqn_noise, norm.eps)
-            return self._fused.add_rmsnorm(delta, norm.weight, norm.aqn_noise, norm.eps, residual=h)
+            return self._fused.add_rmsnorm(delta, norm.weight, norm.aqn_noise, norm.eps, residual=h,
+                                           slots=delta.dim() == 3)
+        if delta is not None and delta.dim() == 3:
+            from megatron_qrl.kernels.decode_fused import sum_slots   # grouped experts run on the kernel path
+
+            delta = sum_slots(delta)
         if delta is not None:
             h = h + delta
         return norm(h), h
