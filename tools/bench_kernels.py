@@ -168,6 +168,13 @@ def moe_configs(moe, t, mode):
         gu = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["ffn"], MOE["hidden"], True, gemv=False)
         dn = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["hidden"], MOE["ffn"], False, gemv=False)
         out.append((gu, dn))
+    if mode != "heuristic":   # the tensor-core defaults of the neighbouring block_m buckets (16 / 32 / 64 rows)
+        for per_expert in (8, 32, 64):
+            n_alt = per_expert * MOE["experts"]
+            alt = (moe.heuristic_moe_config(n_alt, MOE["experts"], MOE["ffn"], MOE["hidden"], True, gemv=False),
+                   moe.heuristic_moe_config(n_alt, MOE["experts"], MOE["hidden"], MOE["ffn"], False, gemv=False))
+            if alt[0].block_m != gu.block_m:
+                out.append((replace(alt[0], x_pre=alt[0].x_pre and n_assign >= 64), alt[1]))
     if mode != "heuristic":   # the tensor-core kernel: one step in each direction from its default
         gk = gu.block_k
         out += [(replace(gu, block_k=max(32, gk // 2), num_stages=4), dn), (replace(gu, num_stages=4), dn),

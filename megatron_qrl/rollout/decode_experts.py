@@ -142,11 +142,10 @@ class FP4KernelExperts:
         from megatron_qrl.kernels.moe_grouped_gemm import moe_w4a16
 
         w13, w2 = self.runner.w13, self.runner.w2
-        x = torch.where(active[:, None], x, torch.zeros_like(x))
-        if not self.w4a4:
+        if not self.w4a4:      # W4A16: rows are independent in every kernel, inactive ones need no zeroing
             y = moe_w4a16(x.to(torch.bfloat16), w13, w2, ids, probs, routing=routing, combine=False)
             return y.to(x.dtype), None       # [B, k, H]: the step sums the slots in fp32, as the unpermute does
-        return self._w4a4(x, ids, probs, routing)
+        return self._w4a4(torch.where(active[:, None], x, torch.zeros_like(x)), ids, probs, routing)
 
     def _w4a4(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, routing=None):
         """Each (token, slot) is its own row: its expert's input scale, then the kernels with top-1 routing.

@@ -115,7 +115,9 @@ class DecodeModel:
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor
                 ) -> tuple[torch.Tensor, StepRecords]:
-        """tokens / positions / slots long [B], active bool [B] -> (float32 logits [B, V], records)."""
+        """tokens / positions / slots long [B], active bool [B] -> (logits [B, V] in the model dtype, records).
+        The logits stay in the model dtype: the sampling kernels and the torch sampling both read them in
+        float32 (an exact conversion), so no [B, V] float32 copy is made (55 us per step at B = 256 on an H200)."""
         records = StepRecords()
         routed = []
         emb = self.model.embedding.word_embeddings.weight
@@ -142,7 +144,7 @@ class DecodeModel:
             else:
                 delta, _ = layer.mlp(x)
         x, _ = self._add_norm(self.final_norm, h, delta)
-        logits = F.linear(x, self.output_weight()).float()
+        logits = F.linear(x, self.output_weight())
         if routed:
             records.routed = torch.stack(routed, dim=1)
         return logits, records
