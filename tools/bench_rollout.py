@@ -304,7 +304,7 @@ def profile_step(engine, batch: int, a, steps: int = 8) -> dict:
             for name, (us, _) in kernels.items():
                 part = next(p for p, pat in STEP_PARTS if re.search(pat, name, re.I))
                 parts[part] = parts.get(part, 0.0) + us
-            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
             result = {"source": mode, "batch": batch, "kernel_us_per_step": sum(us for us, _ in kernels.values()),
                       "launches_per_step": sum(c for _, c in kernels.values()),
                       "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
@@ -522,7 +522,7 @@ def table(res: dict) -> str:
                           f"{prof['launches_per_step']:.0f} launches",
                           "| part | us/step | share of kernel time |", "|---|---|---|"]
                 lines += [f"| {p} | {us:.1f} | {us / prof['kernel_us_per_step']:.0%} |" for p, us in prof["parts_us"].items()]
-                lines += ["top kernels (us/step, launches/step): " + "; ".join(f"{n} {us} x{c}" for n, us, c in prof["top"])]
+                lines += ["top kernels (us/step, launches/step): " + "; ".join(f"{n[:60]} {us} x{c}" for n, us, c in prof["top"][:15])]
     if res.get("health"):
         lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
     if res.get("failed"):
