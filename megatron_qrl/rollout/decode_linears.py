@@ -20,8 +20,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_qrl.quant.e2m1 import E2M1_MAX
 from megatron_qrl.quant.formats import FP4_FORMATS, fp4_format
-from megatron_qrl.quant.nvfp4 import nvfp4_global_scale
+from megatron_qrl.quant.nvfp4 import E4M3_MAX
 
 
 class DenseFP4Linear:
@@ -32,13 +33,16 @@ class DenseFP4Linear:
         self.capture, self.keep_codes, self.kernels = capture and w4a4, keep_codes, kernels
         self.site = lin.site
         self.width = lin.site.k_total           # the input width (TP = 1: the whole K)
+        # nvfp4_global_scale's divisor, made once: a tensor built inside a CUDA graph capture would be a
+        # host->device copy, and dividing by a Python scalar may round differently on CUDA (its docstring)
+        self._divisor = torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=lin.weight.device)
 
     def __call__(self, x: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, Optional[dict]]:
         """x [B, K], active bool [B] -> (y [B, N], capture {bits, scales, global_scale, codes} or None)."""
         cap = None
         if self.w4a4:
             x = torch.where(active[:, None], x, torch.zeros_like(x))
-            gs = nvfp4_global_scale(x) if self.format.has_global_scale else None
+            gs = self._global_scale(x) if self.format.has_global_scale else None
             # the format object picks the codec as the eager hook does; on the kernel path the Triton
             # fake-quant (+ capture) kernel, byte-identical to the torch codec
             x, enc = self.format.fake_quant(x, gs, capture=self.capture, check_finite=False,
@@ -54,6 +58,11 @@ class DenseFP4Linear:
 
             return w4a16_gemm(x, self.lin.kernel_weight), cap
         return F.linear(x, self.lin.weight), cap
+
+    def _global_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """`nvfp4_global_scale(x)` (the eager hook's rule, the same operations) without a new device tensor."""
+        amax = x.abs().amax().float()
+        return torch.where(amax > 0, amax, torch.ones_like(amax)) / self._divisor
 
 
 def dense_fp4_linears(engine) -> dict:
