@@ -35,6 +35,7 @@ from megatron_qrl.quant.blocks import block_size
 
 from .attention import StepBatch
 from .capture import RolloutRecords
+from .decode_linears import capture_widths
 from .protocol import ActivationCapture, RolloutSample, SamplingParams
 from .rng import stream_keys
 from .sampling import sample_and_logprob
@@ -262,8 +263,6 @@ class GraphDecodeLoop:
 
     def __init__(self, engine, model, window: int, use_graphs: bool):
         from megatron.core.transformer.moe.moe_layer import MoELayer
-
-        from .decode_linears import capture_widths
 
         self.engine, self.model = engine, model
         mc = engine.model.config
