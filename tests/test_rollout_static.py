@@ -244,11 +244,13 @@ def test_decode_mode_resolution():
 def test_unsupported_models_fall_back_or_refuse(source_model):
     cfg = make_cfg(targets="all_linears")
     auto = EmbeddedEngine(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"decode": "auto"})}))
-    assert auto.decode_mode == "eager"
+    assert auto.decode_mode == "eager"                                        # auto on a CPU
     assert EmbeddedEngine(make_cfg(weights="bf16", targets="all_linears").model_copy(update={"rollout": make_cfg(
         weights="bf16").rollout.model_copy(update={"decode": "static"})})).decode_mode == "static"
-    with pytest.raises(ValueError, match="all_linears"):
-        EmbeddedEngine(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"decode": "static"})}))
+    lora = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"decode": "static"}),
+                                  "lora": cfg.lora.model_copy(update={"enabled": True})})
+    with pytest.raises(ValueError, match="LoRA"):
+        EmbeddedEngine(lora)
 
 
 def test_buckets():

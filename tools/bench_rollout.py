@@ -2,6 +2,7 @@
 
     python tools/bench_rollout.py [--layers 4,48] [--batches 1,16,64,256] [--prompt-len 64] [--new-tokens 64]
         [--reps 3] [--engines fp4,bf16,hf] [--overheads 64] [--check 16] [--json F] [--tiny]
+        [--targets routed_experts|all_linears]
 
 One process. A Qwen3-30B-A3B-shaped model cut to --layers layers (hidden 2048, 128 experts top-8, expert FFN
 768, 32 query / 4 KV heads of dim 128, vocab 151936; random weights std 0.02; --tiny: a CPU-sized model for
@@ -21,7 +22,8 @@ LM head) plus the KV cache read at the mean context, over --hbm-tbs TB/s.
 --overheads B: at batch B, W4A4 with TRACE capture of every layer + R3 against W4A4 without, and sampling
 (temperature 1) against greedy (fp4). --check B: at batch B, each graph engine against the eager engine of
 the same scheme (identical sequences, matching greedy prefix, max |log-prob difference| on the prefix; W4A4
-with TRACE: capture bytes agreeing on the prefix rows).
+with TRACE: capture bytes agreeing on the prefix rows). --targets all_linears: the FP4 engines quantize the
+attention linears (qkv, proj) too, as configs/evidence/gpu_base.yaml does (default: routed experts only).
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ def _parse(argv):
     p.add_argument("--profile", default="", help="batches whose captured fp4/bf16 step is profiled per kernel")
     p.add_argument("--hbm-tbs", type=float, default=4.0, help="bandwidth of the HBM floor (TB/s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
+                   help="quant.targets of the engines (all_linears: FP4 attention linears too)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     d = dict(layers="2", batches="1,4", prompt_len=8, new_tokens=4, reps=1) if a.tiny else \
@@ -94,7 +98,7 @@ def make_cfg(a, layers: int, engine: str, max_batch: int):
     if a.tiny:
         decode = "static" if decode == "graphs" else decode
     return QRLConfig.model_validate({
-        "model": model, "quant": {"format": "nvfp4", "targets": "routed_experts", "scheme": "w4a4"},
+        "model": model, "quant": {"format": "nvfp4", "targets": a.targets, "scheme": "w4a4"},
         "trainer": {"bf16": not a.tiny, "seed": a.seed}, "aqn": {"enabled": False},
         "trace": {"enabled": trace, "num_cached_layers": layers},
         "rollout": {"weights": weights, "scheme": scheme, "decode": decode, "max_batch_size": max_batch,
@@ -377,8 +381,8 @@ def run(a) -> dict:
     init_distributed(base)
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
            "layers": a.layers, "batches": a.batches, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-           "reps": a.reps, "tiny": a.tiny, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {}, "floor_ms": {},
-           "checks": {}, "overheads": {}, "decode": {}}
+           "reps": a.reps, "tiny": a.tiny, "targets": a.targets, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {},
+           "floor_ms": {}, "checks": {}, "overheads": {}, "decode": {}}
     try:
         import triton
         res["triton"] = triton.__version__

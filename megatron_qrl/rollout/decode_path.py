@@ -38,10 +38,12 @@ def resolve_decode_mode(setting: str, device, reason: Optional[str]) -> str:
 
 
 def build_graph_loop(engine, mode: str):
-    """The static decode loop over the engine's model, cache and (if any) FP4 kernel weights."""
+    """The static decode loop over the engine's model, cache, FP4 attention linears and (if any) FP4 kernel
+    weights."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from .decode_experts import FP4KernelExperts, GroupedBF16Experts, MegatronExperts
+    from .decode_linears import dense_fp4_linears
     from .graph_decode import GraphDecodeLoop
     from .static_decode import DecodeModel
 
@@ -61,5 +63,6 @@ def build_graph_loop(engine, mode: str):
             experts[i] = GroupedBF16Experts(mlp)
         else:
             experts[i] = MegatronExperts(mlp, capture, engine.keep_codes)
-    step = DecodeModel(model, engine.cache, experts, kernel_attention=cuda or engine.kernels is not None)
+    step = DecodeModel(model, engine.cache, experts, kernel_attention=cuda or engine.kernels is not None,
+                       linears=dense_fp4_linears(engine))
     return GraphDecodeLoop(engine, step, window=engine.cfg.rollout.decode_window, use_graphs=mode == "graphs")

@@ -16,9 +16,11 @@ per (bucket, sampling setting) and kept across weight updates (weights change in
 same step runs eagerly, which is how the CPU tests check it against the eager engine.
 
 Numerics: the step is `DecodeModel` (static_decode.py); for W4A16 and BF16 weights a sequence's tokens do
-not depend on the batch. Under W4A4 the per-expert activation scale depends on the rows of a step: rows of
-finished sequences never count, but prompts admitted mid-call prefill in a step of their own, where the
-eager engine mixes them into a decode step.
+not depend on the batch. Under W4A4 the per-expert activation scale depends on the rows of a step, and so
+does the per-tensor scale of the FP4 attention linears (qkv, proj under quant.targets=all_linears: amax over
+all the step's rows, as the eager engine's forward takes it over its step's tokens): rows of finished
+sequences and bucket padding never count (zeroed first), but prompts admitted mid-call prefill in a step of
+their own, where the eager engine mixes them into a decode step.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from megatron_qrl.quant.blocks import block_size
 
 from .attention import StepBatch
 from .capture import RolloutRecords
+from .decode_linears import capture_widths
 from .protocol import ActivationCapture, RolloutSample, SamplingParams
 from .rng import stream_keys
 from .sampling import sample_and_logprob
@@ -59,22 +62,32 @@ class RecordShapes:
     trace: dict[int, dict[str, dict[str, tuple[tuple, torch.dtype]]]]   # layer -> role -> name -> (shape, dtype)
 
 
-def record_shapes(mc, trace_layers: list[int], fmt: str, keep_codes: bool, moe_layers: int) -> RecordShapes:
+def record_shapes(mc, trace_layers: list[int], fmt: str, keep_codes: bool, moe_layers: int,
+                  dense: Optional[dict[int, dict[str, int]]] = None) -> RecordShapes:
+    """Routed-expert roles fc1 / fc2 record k slots per token; the captured dense sites (`dense`: layer ->
+    role -> input width, e.g. qkv / proj under quant.targets=all_linears) one row per token, as
+    `ActivationCapture` lays them out."""
     k = mc.moe_router_topk or 1
     trace = {}
     for layer in trace_layers:          # TRACE layers exist only with FP4 weights
-        block = block_size(fmt)
-        roles = {}
-        for role, width in (("fc1", mc.hidden_size), ("fc2", mc.moe_ffn_hidden_size)):
-            f = {"bits": ((k, width // 8), torch.uint8),
-                 "scales": ((k, width // block), torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8)}
-            if fmt == "nvfp4":
-                f["global_scale"] = ((k,), torch.float32)
-            if keep_codes:
-                f["codes"] = ((k, width // 2), torch.uint8)
-            roles[role] = f
+        roles = {role: _capture_fields((k,), width, fmt, keep_codes)
+                 for role, width in (("fc1", mc.hidden_size), ("fc2", mc.moe_ffn_hidden_size))}
+        roles.update({role: _capture_fields((), width, fmt, keep_codes)
+                      for role, width in (dense or {}).get(layer, {}).items()})
         trace[layer] = roles
     return RecordShapes(moe_layers, k, trace)
+
+
+def _capture_fields(lead: tuple, width: int, fmt: str, keep_codes: bool) -> dict[str, tuple[tuple, torch.dtype]]:
+    """name -> (per-token shape, dtype) of one captured role whose rows are `lead` x `width` elements."""
+    block = block_size(fmt)
+    f = {"bits": ((*lead, width // 8), torch.uint8),
+         "scales": ((*lead, width // block), torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8)}
+    if fmt == "nvfp4":
+        f["global_scale"] = (lead, torch.float32)
+    if keep_codes:
+        f["codes"] = ((*lead, width // 2), torch.uint8)
+    return f
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -254,7 +267,8 @@ class GraphDecodeLoop:
         self.engine, self.model = engine, model
         mc = engine.model.config
         moe = sum(isinstance(layer.mlp, MoELayer) for layer in engine.model.decoder.layers)
-        self.shapes = record_shapes(mc, engine.trace_layers, engine.format, engine.keep_codes, moe)
+        self.shapes = record_shapes(mc, engine.trace_layers, engine.format, engine.keep_codes, moe,
+                                    dense=capture_widths(model.linears))
         rows = engine.max_batch_size
         self.buckets = batch_buckets(rows)
         self.state = DecodeState(rows, window, self.shapes, engine.cache.scratch_slot, engine.device)

@@ -7,7 +7,9 @@ depends on data. What it reuses and what it replaces (DESIGN.md "GPU execution")
 - reused: the model's parameter tensors (no copies; in-place weight updates reach captured graphs), its
   RMSNorm modules (AQN noise included), Megatron's RoPE function and top-k routing function, the KV cache;
 - replaced: core attention (a decode kernel over the cache, kernels/cache_attention.py, or the eager
-  engine's own `attend` on the reference path), the MoE dispatcher and experts (decode_experts.py);
+  engine's own `attend` on the reference path), the MoE dispatcher and experts (decode_experts.py), the
+  FP4 attention linears of quant.targets=all_linears (decode_linears.py: W4A4 input quantization over the
+  active rows, TRACE capture as tensors, the W4A16 kernel or a matmul over the dequantized weight);
 - fused on the kernel path (kernels/decode_fused.py, same numerics as the torch code it replaces): each
   residual add with the RMSNorm after it, the embedding gather with the first norm, and QK-norm + RoPE +
   the K/V cache write (bf16 KV cache) in one launch. The norms' weights and AQN noise are read from the
@@ -16,7 +18,7 @@ The eager engine's Megatron forward stays the reference; tests/test_rollout_stat
 log-probs, routed experts and TRACE captures against it.
 
 Rows whose `active` is False (finished sequences, bucket padding) still run but write their K/V to the
-cache's scratch slot and never influence active rows (decode_experts.py).
+cache's scratch slot and never influence active rows (decode_experts.py, decode_linears.py).
 """
 from __future__ import annotations
 
@@ -50,13 +52,14 @@ def unsupported_reason(model, cfg) -> Optional[str]:
     mc = model.config
     if getattr(mc, "apply_rope_fusion", False):
         return "fused RoPE"
-    if cfg.quant.targets == "all_linears" and cfg.rollout.weights != "bf16":
-        return "FP4 attention and dense linears (quant.targets=all_linears)"
+    fp4_dense = cfg.quant.targets == "all_linears" and cfg.rollout.weights != "bf16"
     for layer in model.decoder.layers:
         att = layer.self_attention
         if att.linear_qkv.bias is not None or att.linear_proj.bias is not None:
             return "biased attention linears"
         mlp = layer.mlp
+        if fp4_dense and not isinstance(mlp, MoELayer):
+            return "FP4 dense MLP layers (quant.targets=all_linears on a model without routed experts)"
         if isinstance(mlp, MoELayer):
             if mlp.shared_experts is not None:
                 return "shared experts"
@@ -70,12 +73,15 @@ def unsupported_reason(model, cfg) -> Optional[str]:
 class DecodeModel:
     """Static-shape decode step over a (TP=1, single-stage) GPTModel and the engine's KV cache."""
 
-    def __init__(self, model, cache: KVCache, experts: dict[int, object], *, kernel_attention: bool):
+    def __init__(self, model, cache: KVCache, experts: dict[int, object], *, kernel_attention: bool,
+                 linears: Optional[dict] = None):
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
         if cache.scratch_slot is None:
             raise ValueError("the static decode step needs a KV cache with a scratch slot (KVCache(scratch=True))")
         self.model, self.cache, self.experts = model, cache, experts
+        self.linears = linears or {}             # FP4 attention linear -> its runner (decode_linears.py)
+        self._active, self._records = None, None   # of the step being run (set by forward)
         self.kernel_attention = kernel_attention
         mc = model.config
         self.config = mc
@@ -119,6 +125,7 @@ class DecodeModel:
         The logits stay in the model dtype: the sampling kernels and the torch sampling both read them in
         float32 (an exact conversion), so no [B, V] float32 copy is made (55 us per step at B = 256 on an H200)."""
         records = StepRecords()
+        self._active, self._records = active, records
         routed = []
         emb = self.model.embedding.word_embeddings.weight
         if self.fused_norms:
@@ -135,19 +142,30 @@ class DecodeModel:
                 x, h = self._add_norm(layer.input_layernorm, h, delta)
             q = self._attention_input(i, att, x, positions, slots, freqs)
             o = self._attend(i, q, slots, lens, positions)
-            x, h = self._add_norm(layer.pre_mlp_layernorm, h, F.linear(o, att.linear_proj.weight))
+            x, h = self._add_norm(layer.pre_mlp_layernorm, h, self._linear(att.linear_proj, o))
             if self.moe[i]:
                 delta, ids, cap = self._moe(i, layer.mlp, x, active)
                 routed.append(ids.to(torch.int16))
                 if cap is not None:
-                    records.trace[layer.layer_number - 1] = cap
+                    records.trace.setdefault(layer.layer_number - 1, {}).update(cap)
             else:
                 delta, _ = layer.mlp(x)
         x, _ = self._add_norm(self.final_norm, h, delta)
         logits = F.linear(x, self.output_weight())
         if routed:
             records.routed = torch.stack(routed, dim=1)
+        self._active = self._records = None
         return logits, records
+
+    def _linear(self, lin, x: torch.Tensor) -> torch.Tensor:
+        """A dense linear of the step: its FP4 runner (capture into the step's records), else x @ W^T."""
+        run = self.linears.get(lin)
+        if run is None:
+            return F.linear(x, lin.weight)
+        y, cap = run(x, self._active)
+        if cap is not None:
+            self._records.trace.setdefault(run.site.layer, {})[run.site.role] = cap
+        return y
 
     def _add_norm(self, norm, h: torch.Tensor, delta: Optional[torch.Tensor]):
         """(norm(h + delta), h + delta), or (norm(h), h) without delta: the residual add and the norm after it.
@@ -170,7 +188,7 @@ class DecodeModel:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
         if self.fused_qkv:
-            mixed = F.linear(x, att.linear_qkv.weight)
+            mixed = self._linear(att.linear_qkv, x)
             qn, kn = att.q_layernorm, att.k_layernorm
             norm = qn is not None
             return self._fused.qk_norm_rope_cache(
@@ -186,7 +204,7 @@ class DecodeModel:
     def _qkv(self, att, x: torch.Tensor):
         """Megatron's fused QKV layout: per query group [heads/groups queries, one key, one value]."""
         B, hpg, D = x.shape[0], self.heads // self.groups, self.head_dim
-        mixed = F.linear(x, att.linear_qkv.weight).view(B, self.groups, (hpg + 2) * D)
+        mixed = self._linear(att.linear_qkv, x).view(B, self.groups, (hpg + 2) * D)
         q = mixed[..., :hpg * D].reshape(B, self.heads, D)
         k = mixed[..., hpg * D:(hpg + 1) * D]
         v = mixed[..., (hpg + 1) * D:]
