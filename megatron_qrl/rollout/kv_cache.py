@@ -39,6 +39,13 @@ def quantize_dequantize_kv(x: torch.Tensor, kv_format: str) -> torch.Tensor:
     return dequantize_kv_rows(quantize_kv_rows(x, kv_format)).to(x.dtype)
 
 
+def packed_storage(kv_format: str, head_dim: int, device: torch.device, kernels: bool) -> bool:
+    """The engine's storage choice: packed on CUDA, or with its Triton kernels on (the CPU interpreter), where
+    the packed layout takes the format and head_dim; dequantized otherwise."""
+    on = torch.device(device).type == "cuda" or kernels
+    return on and kv_layout.packed_supported(kv_format, head_dim)
+
+
 class KVCache:
     """K and V per layer, plus slot bookkeeping: dequantized tensors [slots, max_len, kv_heads, head_dim], or
     kv_layout.PackedKV buffers when packed (module docstring)."""
