@@ -70,12 +70,12 @@ def _fp8_f16(u, NATIVE: tl.constexpr):
     return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["HQ", "HKV", "L"])
+@triton.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
 def _packed_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
-                          ml_ptr, HQ, HKV, L, qk_scale,
-                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, IS_FP4: tl.constexpr, Q16: tl.constexpr, F32: tl.constexpr,
-                          USE_ASM: tl.constexpr, FP8_NATIVE: tl.constexpr):
+                          ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale,
+                          G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, IS_FP4: tl.constexpr,
+                          Q16: tl.constexpr, F32: tl.constexpr, USE_ASM: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    """Shapes and the split count are runtime values (one compile per tunable set, format and query dtype)."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -214,9 +214,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
         return c.scales if fp4 else c.codes
     _packed_decode_kernel[(bsz, hkv, num_splits)](
         qc, keys.codes, scales(keys), keys.row_scale, values.codes, scales(values), values.row_scale, slots, lens,
-        acc, ml, hq, hkv, max_len, sm_scale * LOG2E,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s, NUM_SPLITS=num_splits,
-        IS_FP4=fp4, Q16=q16, F32=INTERPRET or not q16, USE_ASM=(not INTERPRET) if use_asm is None else use_asm,
+        acc, ml, hq, hkv, max_len, group, num_splits, sm_scale * LOG2E,
+        G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s, IS_FP4=fp4, Q16=q16, F32=INTERPRET or not q16, USE_ASM=(not INTERPRET) if use_asm is None else use_asm,
         FP8_NATIVE=not INTERPRET, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty((bsz, hq, d), device=q.device, dtype=q.dtype)
     _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=INTERPRET, num_warps=4)
