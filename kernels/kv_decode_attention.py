@@ -43,6 +43,7 @@ from .w4a16_gemm import INTERPRET, _dequant_tile
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4      # split target: batch * kv_heads * splits >= this many programs per SM
+MIN_BLOCKS = 2           # ... but a split of a full-length row keeps at least this many BLOCK_S steps
 
 
 @triton.jit
@@ -175,23 +176,25 @@ def _sm_count(device: torch.device) -> int:
 
 
 def split_count(batch: int, kv_heads: int, max_len: int, block_s: int, sms: int,
-                programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits per (row, KV head): enough programs to fill the SMs, at most one per BLOCK_S positions (a power
-    of two; static for a batch bucket and a cache, so CUDA graphs keep their grid)."""
-    want = triton.cdiv(sms * programs_per_sm, max(1, batch * kv_heads))
-    return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(triton.cdiv(max_len, block_s))))
+                programs_per_sm: int = PROGRAMS_PER_SM, min_blocks: int = MIN_BLOCKS) -> int:
+    """Splits per (row, KV head): enough programs to fill the SMs, but no more than a max_len row can give
+    min_blocks BLOCK_S steps each (a power of two; static for a batch bucket and a cache, so CUDA graphs keep
+    their grid; the kernel sizes the splits from each row's own length)."""
+    want = triton.next_power_of_2(triton.cdiv(sms * programs_per_sm, max(1, batch * kv_heads)))
+    cap = triton.next_power_of_2(triton.cdiv(max_len, block_s * min_blocks))
+    return max(1, min(want, cap))
 
 
 def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
                             lens: torch.Tensor, sm_scale: float, *, block_s: int = 64, num_warps: int = 4,
                             num_stages: int = 2, num_splits: Optional[int] = None, use_asm: Optional[bool] = None,
-                            programs_per_sm: int = PROGRAMS_PER_SM) -> torch.Tensor:
+                            programs_per_sm: int = PROGRAMS_PER_SM, min_blocks: int = MIN_BLOCKS) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V for each row over the first lens[b] positions of cache slot slots[b].
 
     q [B, H_q, D] (bf16 / fp16 / fp32); keys / values: one layer of a packed KVCache (PackedKV, fp4 or fp8);
     slots, lens: int [B] device tensors (1 <= lens[b] <= max_len). Returns [B, H_q, D] in q's dtype. No
-    host synchronisation. block_s / num_warps / num_stages / num_splits / use_asm are tunables (the
-    benchmark sweeps them); num_splits defaults to `split_count`."""
+    host synchronisation. block_s / num_warps / num_stages / num_splits (or programs_per_sm / min_blocks for
+    `split_count`) / use_asm (inline-PTX code decode) are tunables; tools/bench_attention.py sweeps them."""
     bsz, hq, d = q.shape
     if keys.fmt != values.fmt or keys.codes.shape != values.codes.shape:
         raise ValueError("K and V caches must share one format and shape")
@@ -202,7 +205,7 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
     group = hq // hkv
     if num_splits is None:
-        num_splits = split_count(bsz, hkv, max_len, block_s, _sm_count(q.device), programs_per_sm)
+        num_splits = split_count(bsz, hkv, max_len, block_s, _sm_count(q.device), programs_per_sm, min_blocks)
     num_splits = triton.next_power_of_2(num_splits)
     fp4 = keys.fmt == "fp4"
     q16 = q.dtype != torch.float32

@@ -45,7 +45,7 @@ def _row_scale(amax, DIV: tl.constexpr, INV: tl.constexpr, RECIP: tl.constexpr):
     amax = tl.where(amax > 0.0, amax, 1.0)
     if RECIP:
         return amax * INV
-    return tl.math.div_rn(amax, tl.full(amax.shape, DIV, tl.float32))
+    return tl.math.div_rn(amax, amax * 0.0 + DIV)          # DIV as an fp32 tensor (amax is finite)
 
 
 @triton.jit

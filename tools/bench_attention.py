@@ -45,9 +45,10 @@ def sweep(fmt: str, mode: str) -> list[dict]:
     default = [{}]
     if mode != "all":
         return default
-    tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (64, 4, 1)]
+    tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
     out = default + [dict(block_s=b, num_warps=w, num_stages=s, programs_per_sm=p)
                      for b, w, s in tiles for p in (2, 4, 8)]
+    out += [dict(min_blocks=1), dict(min_blocks=4), dict(num_stages=1)]
     if fmt == "nvfp4":
         out.append(dict(use_asm=False))
     return out
@@ -56,7 +57,8 @@ def sweep(fmt: str, mode: str) -> list[dict]:
 def config_name(cfg: dict) -> str:
     if not cfg:
         return "default"
-    short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "use_asm": "asm"}
+    short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "use_asm": "asm",
+             "min_blocks": "mb"}
     return "/".join(f"{short[k]}{int(v)}" for k, v in cfg.items())
 
 
@@ -142,7 +144,8 @@ def bench_case(args, bsz, s, hq, hkv, l2_bytes, gen, log) -> dict:
         n = copies_for(kv_bytes(case, bench), l2_bytes)
         kvs = [(case[f"k_{bench}"], case[f"v_{bench}"])] + [(case[f"k_{bench}"].clone(), case[f"v_{bench}"].clone())
                                                            for _ in range(n - 1)]
-        for cfg in sweep(bench, args.configs):
+        mode = args.configs if time.time() < args.deadline else "default"      # past --time-budget: defaults
+        for cfg in sweep(bench, mode):
             def call(kv, cfg=cfg):
                 return packed_decode_attention(q, kv[0], kv[1], slots, lens, scale, **cfg)
             e = bk.safe(log, f"{bench} {config_name(cfg)}", lambda: bk.rel_err(call(kvs[0]), ref), float("inf"))
@@ -220,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", type=lambda t: t.split(","), default=list(FORMATS))
     ap.add_argument("--configs", choices=["default", "all"], default="default")
     ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds; past it, the remaining cases time only "
+                    "the default config (0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU interpreter (tests this script)")
     ap.add_argument("--smoke-head-dim", type=int, default=32, help=argparse.SUPPRESS)
@@ -251,6 +256,7 @@ def main(argv=None) -> int:
             jsonl.flush()
 
     t0 = time.time()
+    args.deadline = t0 + args.time_budget if args.time_budget > 0 else float("inf")
     env["copy_gbs"] = bk.copy_bandwidth_gbs()
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -259,13 +265,18 @@ def main(argv=None) -> int:
             r = bk.safe(log, f"case {hq}/{hkv} B={bsz} S={s}", lambda: bench_case(args, bsz, s, hq, hkv, l2, gen, log))
             if r:
                 rows.append(r)
+                write_report(args.out, env, rows, t0)       # after every case: a killed run keeps its table
+    print(write_report(args.out, env, rows, t0), flush=True)
+    return 0
+
+
+def write_report(out: Path, env: dict, rows: list, t0: float) -> str:
     env["seconds"] = time.time() - t0
     md = markdown(env, rows)
-    (args.out / "bench_attention.md").write_text(md + "\n")
-    (args.out / "bench_attention.json").write_text(json.dumps(dict(env=env, targets=TARGETS, rows=rows), indent=1,
-                                                              default=str))
-    print(md, flush=True)
-    return 0
+    (out / "bench_attention.md").write_text(md + "\n")
+    (out / "bench_attention.json").write_text(json.dumps(dict(env=env, targets=TARGETS, rows=rows), indent=1,
+                                                         default=str))
+    return md
 
 
 if __name__ == "__main__":
