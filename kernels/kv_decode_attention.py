@@ -188,11 +188,13 @@ def split_count(batch: int, kv_heads: int, max_len: int, block_s: int, sms: int,
 def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
                             lens: torch.Tensor, sm_scale: float, *, block_s: int = 64, num_warps: int = 4,
                             num_stages: int = 2, num_splits: Optional[int] = None, use_asm: Optional[bool] = None,
-                            programs_per_sm: int = PROGRAMS_PER_SM, min_blocks: int = MIN_BLOCKS) -> torch.Tensor:
+                            programs_per_sm: int = PROGRAMS_PER_SM, min_blocks: int = MIN_BLOCKS,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V for each row over the first lens[b] positions of cache slot slots[b].
 
     q [B, H_q, D] (bf16 / fp16 / fp32); keys / values: one layer of a packed KVCache (PackedKV, fp4 or fp8);
-    slots, lens: int [B] device tensors (1 <= lens[b] <= max_len). Returns [B, H_q, D] in q's dtype. No
+    slots, lens: int [B] device tensors (1 <= lens[b] <= max_len). Returns [B, H_q, D] in q's dtype (into
+    `out` when given: contiguous, q's shape and dtype). No
     host synchronisation. block_s / num_warps / num_stages / num_splits (or programs_per_sm / min_blocks for
     `split_count`) / use_asm (inline-PTX code decode) are tunables; tools/bench_attention.py sweeps them."""
     bsz, hq, d = q.shape
@@ -220,7 +222,10 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
         acc, ml, hq, hkv, max_len, group, num_splits, sm_scale * LOG2E,
         G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s, IS_FP4=fp4, Q16=q16, F32=INTERPRET or not q16, USE_ASM=(not INTERPRET) if use_asm is None else use_asm,
         FP8_NATIVE=not INTERPRET, num_warps=num_warps, num_stages=num_stages)
-    out = torch.empty((bsz, hq, d), device=q.device, dtype=q.dtype)
+    if out is None:
+        out = torch.empty((bsz, hq, d), device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor {tuple(q.shape)}")
     _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=INTERPRET, num_warps=4)
     return out
 

@@ -2,8 +2,8 @@
 
 - quantize-write: the bytes of kv_layout.store (the torch codec), bit for bit, for bf16 / fp32 rows with
   zeros, -0.0, tiny and huge rows, strided inputs (views of the QKV output), slots out of order;
-- decode attention: against a float64 softmax over the dequantized cache; stale positions past each row's
-  length are poisoned (NaN row scales), rows have lengths 1, block multiples and non-multiples, slots come out
+- decode attention: against a float64 softmax over the dequantized cache; the output is poisoned (NaN) before
+  the call and stale positions past each row's length are poisoned (NaN row scales), rows have lengths 1, block multiples and non-multiples, slots come out
   of order and include the scratch slot, GQA groups 4 and 8, the tunables (block_s, num_splits) vary. A bf16
   query runs the float16 path (q scaled to float16 exactly, p in float16): ~1e-3 of the output's norm,
   dominated by the bf16 output rounding; a float32 query runs float32 dots (1e-5);
@@ -117,8 +117,9 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
     if GPU:
         configs += [dict(block_s=128, num_warps=8), dict(block_s=64, num_stages=3, use_asm=False)]
     for cfg in configs:
-        out = packed_decode_attention(q, k, v, slots, lens, 0.11, **cfg)
-        assert out.dtype == dtype and torch.isfinite(out).all(), cfg
+        out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
+        assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out
+        assert torch.isfinite(out).all(), cfg
         err = float((out.double() - ref).norm() / ref.norm())
         assert err < tol, (cfg, err)
 

@@ -23,8 +23,10 @@ unset TRITON_INTERPRET
 } 2>&1 | tee "$OUT/env.txt"
 rc=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  XDIST=""
+  python3 -c "import xdist" 2>/dev/null && XDIST="-n ${TEST_WORKERS:-8}"
   (cd "$SHIM" && QRL_KERNEL_TESTS_DEVICE=cuda timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels_kv_cache.py) 2>&1 | tee "$OUT/tests_gpu.txt" | tail -25
+    $XDIST tests/test_kernels_kv_cache.py) 2>&1 | tee "$OUT/tests_gpu.txt" | tail -25
   rc=${PIPESTATUS[0]}
   echo "gpu tests exit code: $rc"
 fi
