@@ -13,6 +13,9 @@ fit on one GPU. Engines (--engines):
                grouped W4A16 expert kernels)
     bf16       rollout.weights=bf16, decode=graphs (torch._grouped_mm experts)
     fp4-eager  the eager engine (Megatron forward per step) on the same FP4 kernels: the "before"
+    fp4-kv4    fp4 with rollout.kv_cache=fp4: a packed NVFP4 KV cache (kernels/kv_layout.py), written by the
+               quantize-write kernel and read by the packed decode-attention kernel in the graphs
+    fp4-kv8    the same with a packed FP8 KV cache (use a long --prompt-len, e.g. 4096, to see the KV reads)
     hf         transformers Qwen3MoeForCausalLM.generate() (sdpa, eager) on the bf16 weights (<= 8 layers)
 Decode tokens/s excludes prefill: a generate() of N new tokens minus a generate() of 1 new token for the same
 prompts, i.e. (N - 1) * B tokens over the time difference; medians of --reps timed pairs after a warm-up
@@ -47,7 +50,9 @@ TINY_SHAPE = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_
 ENGINES = {"fp4": ("nvfp4", "w4a16", "graphs", False), "bf16": ("bf16", "w4a16", "graphs", False),
            "fp4-eager": ("nvfp4", "w4a16", "eager", False), "bf16-eager": ("bf16", "w4a16", "eager", False),
            "w4a4": ("nvfp4", "w4a4", "graphs", False), "w4a4-trace": ("nvfp4", "w4a4", "graphs", True),
-           "w4a4-trace-eager": ("nvfp4", "w4a4", "eager", True)}
+           "w4a4-trace-eager": ("nvfp4", "w4a4", "eager", True), "fp4-kv4": ("nvfp4", "w4a16", "graphs", False),
+           "fp4-kv8": ("nvfp4", "w4a16", "graphs", False)}
+KV_CACHE = {"fp4-kv4": "fp4", "fp4-kv8": "fp8"}     # rollout.kv_cache of an engine (default bf16)
 HF_MAX_LAYERS = 8
 
 
@@ -102,7 +107,7 @@ def make_cfg(a, layers: int, engine: str, max_batch: int):
         "trainer": {"bf16": not a.tiny, "seed": a.seed}, "aqn": {"enabled": False},
         "trace": {"enabled": trace, "num_cached_layers": layers},
         "rollout": {"weights": weights, "scheme": scheme, "decode": decode, "max_batch_size": max_batch,
-                    "max_new_tokens": a.new_tokens}})
+                    "max_new_tokens": a.new_tokens, "kv_cache": KV_CACHE.get(engine, "bf16")}})
 
 
 def _sync():
@@ -431,7 +436,8 @@ def run(a) -> dict:
                 write_json(res, a.json)
             res.setdefault("health", {})[f"{layers}:{name}"] = {k: v for k, v in eng.health().items()
                                                                 if k in ("decode", "graphs_captured", "graph_failure",
-                                                                         "graph_capture_s")}
+                                                                         "graph_capture_s", "kv_cache",
+                                                                         "kv_cache_packed", "kv_cache_bytes")}
             if name == "fp4" and a.overheads and layers == a.layers[0]:
                 ps = prompts_for(a, vocab, a.overheads, g)
                 greedy, _ = decode_rate(lambda p, n: time_engine(eng, p, n), ps, a)
@@ -500,7 +506,7 @@ def table(res: dict) -> str:
              f"median of {res['reps']}; decode paths {res['decode']}"]
     for layers, rates in res["rates"].items():
         cols = list(rates)
-        ratio = [("fp4", "bf16"), ("fp4", "hf"), ("fp4", "fp4-eager")]
+        ratio = [("fp4", "bf16"), ("fp4", "hf"), ("fp4", "fp4-eager"), ("fp4-kv4", "fp4"), ("fp4-kv8", "fp4")]
         ratio = [(x, y) for x, y in ratio if x in cols and y in cols]
         lines += ["", f"{layers} layers:", "| batch | " + " | ".join(f"{c} tok/s" for c in cols) + " | "
                   + " | ".join(f"{x}/{y}" for x, y in ratio) + " | fp4 step ms | fp4 graph ms | bf16 graph ms"

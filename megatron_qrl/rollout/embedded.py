@@ -11,7 +11,8 @@ eval mode, no grad), configured for inference:
   captures the TRACE records of the cached layers' quantized sites (routed experts; also qkv/proj/shared
   experts under quant.targets=all_linears) into its `trace_recorder` (megatron_qrl/trace/recorder.py), which
   keeps them under each sample's handle; W4A16 leaves inputs alone;
-- KV cache: bf16 / fp8 / fp4 (kv_cache.py); AQN noise in the norms' noise buffers (set_aqn_noise);
+- KV cache: bf16 / fp8 / fp4 (kv_cache.py; packed codes + scales on CUDA or with the kernels on);
+  AQN noise in the norms' noise buffers (set_aqn_noise);
 - continuous batching over packed steps (scheduler.py, attention.py), sampling with per-sequence
   generators (sampling.py), R3 routed-expert ids from the model's router (capture.py).
 The same code runs on GPU with the model on cuda; attention and the expert GEMMs are then the places for
@@ -31,7 +32,7 @@ from .attention import StepBatch
 from .capture import RolloutRecords, RoutingRecorder, concat_rows
 from .decode_path import build_graph_loop, resolve_decode_mode
 from .kernel_linears import KernelLinears, kernels_wanted
-from .kv_cache import KVCache
+from .kv_cache import KVCache, packed_storage
 from .model_runner import ModelRunner
 from .protocol import RolloutSample, SamplingParams, WeightUpdateError
 from .sampling import policy_logprobs, sample_step, sequence_generator
@@ -88,7 +89,8 @@ class EmbeddedEngine:
         self.cache = KVCache(num_layers=len(self.model.decoder.layers), max_slots=self.max_batch_size,
                              max_len=cfg.model.max_sequence_length, num_kv_heads=mc.num_query_groups,
                              head_dim=cfg.model.head_dim, dtype=mc.params_dtype, device=self.device,
-                             kv_format=ro.kv_cache, scratch=True)
+                             kv_format=ro.kv_cache, scratch=True,
+                             packed=packed_storage(ro.kv_cache, cfg.model.head_dim, self.device, self.kernels is not None))
         self.runner = ModelRunner(self.model, self.cache)
         self.routing = RoutingRecorder(self.model)
         self.keep_codes = keep_codes
@@ -316,7 +318,7 @@ class EmbeddedEngine:
         return {
             "engine": "embedded", "device": str(self.device), "weight_version": self.version,
             "weights": self.format, "scheme": self.scheme, "kv_cache": self.cache.kv_format,
-            "memory": "released" if self.released else "resident",
+            "kv_cache_packed": self.cache.packed, "memory": "released" if self.released else "resident",
             "weight_store_bytes": self.store.nbytes(), "kv_cache_bytes": self.cache.nbytes(),
             "max_batch_size": self.max_batch_size, "trace_layers": list(self.trace_layers),
             "fp4_kernels": self.kernels is not None, "decode": self.decode_mode,

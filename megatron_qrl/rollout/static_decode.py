@@ -6,14 +6,17 @@ so that a CUDA graph can capture it: no Megatron token dispatcher, no host synch
 depends on data. What it reuses and what it replaces (DESIGN.md "GPU execution"):
 - reused: the model's parameter tensors (no copies; in-place weight updates reach captured graphs), its
   RMSNorm modules (AQN noise included), Megatron's RoPE function and top-k routing function, the KV cache;
-- replaced: core attention (a decode kernel over the cache, kernels/cache_attention.py, or the eager
-  engine's own `attend` on the reference path), the MoE dispatcher and experts (decode_experts.py), the
+- replaced: core attention (a decode kernel over the cache: kernels/cache_attention.py for a dequantized
+  cache, kernels/kv_decode_attention.py straight from a packed fp4 / fp8 one; or the eager engine's own
+  `attend` over `cache.read` on the reference path), the MoE dispatcher and experts (decode_experts.py), the
   FP4 attention linears of quant.targets=all_linears (decode_linears.py: W4A4 input quantization over the
   active rows, TRACE capture as tensors, the W4A16 kernel or a matmul over the dequantized weight);
 - fused on the kernel path (kernels/decode_fused.py, same numerics as the torch code it replaces): each
   residual add with the RMSNorm after it, the embedding gather with the first norm, and QK-norm + RoPE +
-  the K/V cache write (bf16 KV cache) in one launch. The norms' weights and AQN noise are read from the
-  modules at every call, so in-place updates and fresh AQN draws reach captured graphs.
+  the K/V cache write in one launch (bf16 cache; a packed cache takes the roped K and raw V through a
+  per-step staging buffer, then one quantize-write launch, kernels/kv_quant_write.py). The norms' weights
+  and AQN noise are read from the modules at every call, so in-place updates and fresh AQN draws reach
+  captured graphs.
 The eager engine's Megatron forward stays the reference; tests/test_rollout_static.py checks tokens,
 log-probs, routed experts and TRACE captures against it.
 
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import StepBatch, attend, softmax_scale_of
-from .kv_cache import KVCache, quantize_dequantize_kv
+from .kv_cache import KVCache
 
 
 @dataclass
@@ -110,7 +113,8 @@ class DecodeModel:
         qk = [(lay.self_attention.q_layernorm, lay.self_attention.k_layernorm) for lay in self.layers]
         qk_ok = all((q is None and k is None) or (isinstance(q, RMSNorm) and isinstance(k, RMSNorm) and q.eps == k.eps)
                     for q, k in qk)
-        fused_qkv = (qk_ok and self.cache.kv_format == "bf16" and not self.config.rotary_interleaved
+        writable = self.cache.kv_format == "bf16" or self.cache.packed      # dequantized fp8/fp4: torch writes
+        fused_qkv = (qk_ok and writable and not self.config.rotary_interleaved
                      and not getattr(self.config, "multi_latent_attention", False))
         return fused_norms, fused_qkv
 
@@ -191,10 +195,14 @@ class DecodeModel:
             mixed = self._linear(att.linear_qkv, x)
             qn, kn = att.q_layernorm, att.k_layernorm
             norm = qn is not None
-            return self._fused.qk_norm_rope_cache(
+            k_dst, v_dst, rows = self._kv_destination(i, slots, mixed.dtype)
+            q = self._fused.qk_norm_rope_cache(
                 mixed, qn.weight if norm else None, kn.weight if norm else None, qn.eps if norm else 0.0, self.cos,
-                self.sin, positions, slots, self.cache.keys[i], self.cache.values[i], self.heads, self.groups,
+                self.sin, positions, rows, k_dst, v_dst, self.heads, self.groups,
                 self.head_dim, q_noise=qn.aqn_noise if norm else None, k_noise=kn.aqn_noise if norm else None)
+            if self.cache.packed:
+                self._write_cache(i, slots, positions, k_dst[:, 0], v_dst[:, 0])
+            return q
         q, k, v = self._qkv(att, x)
         q = apply_rotary_pos_emb(q.unsqueeze(1), freqs, config=self.config).squeeze(1)
         k = apply_rotary_pos_emb(k.unsqueeze(1), freqs, config=self.config).squeeze(1)
@@ -214,24 +222,47 @@ class DecodeModel:
             k = att.k_layernorm(k)
         return q, k, v
 
+    def _kv_destination(self, layer: int, slots, dtype):
+        """Where the fused QK-norm/RoPE kernel writes K and V, and its slot ids: the cache itself (dequantized
+        storage) or, for a packed cache, a staging buffer [B, 1, G, D] expanded over max_len with a zero
+        position stride (row b lands at [b, 0]) that _write_cache then quantizes into the cache."""
+        c = self.cache
+        if not c.packed:
+            return c.keys[layer], c.values[layer], slots
+        B = slots.shape[0]
+        shape = (B, c.max_len, self.groups, self.head_dim)
+        k = torch.empty((B, 1) + shape[2:], dtype=dtype, device=slots.device)
+        rows = torch.arange(B, device=slots.device)
+        return k.expand(shape), torch.empty_like(k).expand(shape), rows
+
     def _write_cache(self, layer: int, slots, positions, k, v) -> None:
         c = self.cache
-        c.keys[layer][slots, positions] = quantize_dequantize_kv(k, c.kv_format).to(c.dtype)
-        c.values[layer][slots, positions] = quantize_dequantize_kv(v, c.kv_format).to(c.dtype)
+        if c.packed and self.kernel_attention:       # one quantize-write launch for K and V
+            from megatron_qrl.kernels.kv_quant_write import quantize_write
+
+            quantize_write(k, v, slots, positions, c.keys[layer], c.values[layer])
+        else:
+            c.write(layer, slots, positions, k, v, check=False)
 
     def _attend(self, layer: int, q, slots, lens, positions) -> torch.Tensor:
         B = q.shape[0]
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        c = self.cache
+        if self.kernel_attention and c.packed:
+            from megatron_qrl.kernels.kv_decode_attention import packed_decode_attention
+
+            return packed_decode_attention(q, c.keys[layer], c.values[layer], slots, lens,
+                                           self.scales[layer]).reshape(B, -1)
         if self.kernel_attention:
             from megatron_qrl.kernels.cache_attention import cache_decode_attention
 
-            return cache_decode_attention(q, keys, values, slots, lens, self.scales[layer]).reshape(B, -1)
+            return cache_decode_attention(q, c.keys[layer], c.values[layer], slots, lens,
+                                          self.scales[layer]).reshape(B, -1)
         # reference: the eager engine's attention over the rows' cached prefixes
         ar = torch.arange(B, device=q.device)
         batch = StepBatch(token_ids=ar, positions=positions, token_row=ar, token_col=torch.zeros_like(ar),
                           slots=slots, kv_lens=lens, last_index=ar, row_starts=list(range(B)), row_lens=[1] * B)
-        length = int(lens.max())
-        return attend(q, keys[slots, :length], values[slots, :length], batch, self.scales[layer])
+        keys, values = c.read(layer, slots, int(lens.max()))
+        return attend(q, keys, values, batch, self.scales[layer])
 
     def _moe(self, i: int, mlp, x: torch.Tensor, active: torch.Tensor):
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function

@@ -1,0 +1,179 @@
+"""The packed KV cache's kernels (kernels/kv_quant_write.py, kernels/kv_decode_attention.py) against torch.
+
+- quantize-write: the bytes of kv_layout.store (the torch codec), bit for bit, for bf16 / fp32 rows with
+  zeros, -0.0, tiny and huge rows, strided inputs (views of the QKV output), slots out of order;
+- decode attention: against a float64 softmax over the dequantized cache; the output is poisoned (NaN) before
+  the call and stale positions past each row's length are poisoned (NaN row scales), rows have lengths 1, block multiples and non-multiples, slots come out
+  of order and include the scratch slot, GQA groups 4 and 8, the tunables (block_s, num_splits) vary. A bf16
+  query runs the float16 path (q scaled to float16 exactly, p in float16): ~1e-3 of the output's norm,
+  dominated by the bf16 output rounding; a float32 query runs float32 dots (1e-5);
+- the storage: a packed KVCache reads back exactly what the dequantized one holds, in far fewer bytes.
+QRL_KERNEL_TESTS_DEVICE=cuda runs the same tests on a GPU (real float16 tensor-core dots, inline-PTX decode,
+native fp8 conversion, CUDA-graph replay), with larger shapes.
+"""
+import os
+
+DEVICE = "cuda" if os.environ.get("QRL_KERNEL_TESTS_DEVICE") == "cuda" else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from megatron_qrl.kernels import kv_layout  # noqa: E402
+from megatron_qrl.kernels.kv_decode_attention import (packed_decode_attention,  # noqa: E402
+                                                      packed_decode_attention_reference, split_count)
+from megatron_qrl.kernels.kv_quant_write import quantize_write  # noqa: E402
+
+GPU = DEVICE == "cuda"
+HEAD_DIM = 128 if GPU else 64
+MAX_LEN = 1100 if GPU else 200
+
+
+def _gen(seed=None):
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") if seed is None else seed)
+
+
+def _rows(n, heads, dim, g, dtype):
+    """n rows of varied magnitude (1e-4 .. 1e3) with an all-zero row, -0.0 entries and a 40x outlier."""
+    x = torch.randn(n, heads, dim, generator=g) * torch.logspace(-4, 3, n)[torch.randperm(n, generator=g)][:, None, None]
+    x[0, 0] = 0.0
+    x[-1, -1, ::5] = -0.0
+    x[n // 2, 0, 3] *= 40
+    return x.to(dtype).to(DEVICE)
+
+
+def _cache(fmt, slots, heads, length, dim):
+    return kv_layout.PackedKV.zeros(fmt, slots, heads, length, dim, DEVICE)
+
+
+def _same(a, b):
+    return all(torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                           y.view(torch.uint8) if y.dtype != torch.float32 else y)
+               for x, y in zip(a.tensors(), b.tensors()))
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dim", [32, 128])
+def test_quantize_write_equals_torch_store(fmt, dtype, dim):
+    g = _gen()
+    B, H, S, L = 6, 2, 5, 9
+    mixed = _rows(B, 3 * H, dim, g, dtype)                  # key / value as strided views, like the QKV output
+    key, value = mixed[:, 0:H], mixed[:, H:2 * H]
+    slots = torch.tensor([4, 0, 2, 3, 1, 4], device=DEVICE)   # out of order; slot 4 twice (the scratch slot)
+    positions = torch.tensor([8, 0, 3, 3, 7, 8], device=DEVICE)
+    ref = [_cache(fmt, S, H, L, dim) for _ in "kv"]
+    out = [_cache(fmt, S, H, L, dim) for _ in "kv"]
+    keep = slice(0, 5)   # two writes to (4, 8) race in index_put; compare the single writes
+    kv_layout.store(ref[0], slots[keep], positions[keep], key[keep])
+    kv_layout.store(ref[1], slots[keep], positions[keep], value[keep])
+    quantize_write(key[keep], value[keep], slots[keep], positions[keep], out[0], out[1])
+    assert _same(ref[0], out[0]) and _same(ref[1], out[1])
+    quantize_write(key, value, slots, positions, out[0], out[1])     # the scratch slot may take several rows
+    assert torch.isfinite(out[0].row_scale).all()
+
+
+def _filled_caches(fmt, heads, g, dtype=torch.float32):
+    """K and V of 5 slots (slot 4: the scratch slot) written at every position, with per-row magnitudes."""
+    S, L = 5, MAX_LEN
+    caches = [_cache(fmt, S, heads, L, HEAD_DIM) for _ in "kv"]
+    every_slot, every_pos = torch.arange(S).repeat_interleave(L).to(DEVICE), torch.arange(L).repeat(S).to(DEVICE)
+    for c in caches:
+        x = torch.randn(S * L, heads, HEAD_DIM, generator=g) * (0.1 + 3 * torch.rand(S * L, heads, 1, generator=g))
+        kv_layout.store(c, every_slot, every_pos, x.to(dtype).to(DEVICE))
+    return caches
+
+
+def _poison_past(caches, slots, lens):
+    """NaN row scales at every position past each row's length in its slot: read once and the output is NaN."""
+    for c in caches:
+        for s, n in zip(slots.tolist(), lens.tolist()):
+            others = [n2 for s2, n2 in zip(slots.tolist(), lens.tolist()) if s2 == s]
+            c.row_scale[s, :, max(others):] = float("nan")
+
+
+LENS_CPU = [1, 200, 129, 64, 17]
+LENS_GPU = [1, 1100, 513, 64, 1000, 255, 2, 777]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("heads", [(8, 2), (16, 2)] if not GPU else [(32, 8), (32, 4)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_packed_attention_matches_reference(fmt, dtype, heads):
+    g = _gen()
+    hq, hkv = heads
+    k, v = _filled_caches(fmt, hkv, g)
+    lens_list = LENS_GPU if GPU else LENS_CPU
+    slots = torch.tensor([4, 0, 2, 3, 1, 2, 0, 3][:len(lens_list)], device=DEVICE)   # out of order, 4 = scratch
+    lens = torch.tensor(lens_list, device=DEVICE)
+    _poison_past((k, v), slots, lens)
+    q = (torch.randn(len(lens_list), hq, HEAD_DIM, generator=g) * 3).to(dtype).to(DEVICE)
+    ref = packed_decode_attention_reference(q, k, v, slots, lens, 0.11, torch.float64)
+    tol = 5e-3 if dtype == torch.bfloat16 else 1e-5
+    configs = [{}, dict(block_s=16, num_splits=1), dict(block_s=32, num_splits=8)]
+    if GPU:
+        configs += [dict(block_s=128, num_warps=8), dict(block_s=64, num_stages=3, use_asm=False)]
+    for cfg in configs:
+        out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
+        assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out
+        assert torch.isfinite(out).all(), cfg
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert err < tol, (cfg, err)
+
+
+def test_split_count_fills_the_gpu_and_stays_static():
+    assert split_count(1, 4, 8192, 64, 132) == 64              # 4 programs alone would leave 128 SMs idle
+    assert split_count(1, 4, 8192, 64, 132, min_blocks=1) == 128
+    assert split_count(64, 8, 2048, 64, 132) == 2
+    assert split_count(128, 8, 4096, 64, 132) == 1
+    assert split_count(1, 4, 100, 64, 132) == 1                # a short cache: no split below 2 blocks
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_packed_attention_replays_in_a_cuda_graph(fmt):
+    """Captured once, replayed with other slots and lengths (device tensors): equal to eager calls."""
+    g = _gen()
+    k, v = _filled_caches(fmt, 4, g)
+    q = torch.randn(3, 32, HEAD_DIM, generator=g).to(torch.bfloat16).to(DEVICE)
+    slots = torch.tensor([0, 1, 2], device=DEVICE)
+    lens = torch.tensor([5, 6, 7], device=DEVICE)
+    packed_decode_attention(q, k, v, slots, lens, 0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = packed_decode_attention(q, k, v, slots, lens, 0.1)
+    for new_slots, new_lens in (([3, 0, 4], [MAX_LEN, 1, 300]), ([2, 2, 1], [64, 65, 1000])):
+        slots.copy_(torch.tensor(new_slots))
+        lens.copy_(torch.tensor(new_lens))
+        graph.replay()
+        assert torch.equal(out, packed_decode_attention(q, k, v, slots, lens, 0.1))
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_packed_cache_reads_the_dequantized_values_in_fewer_bytes(fmt, dtype):
+    KVCache = pytest.importorskip("megatron_qrl.rollout.kv_cache").KVCache   # the engine package (GPU shims may lack it)
+    g = _gen()
+    args = dict(num_layers=2, max_slots=3, max_len=12, num_kv_heads=2, head_dim=HEAD_DIM, dtype=dtype, device=DEVICE,
+                kv_format=fmt, scratch=True)
+    plain, packed = KVCache(**args), KVCache(**args, packed=True)
+    bf16 = KVCache(**dict(args, kv_format="bf16", dtype=torch.bfloat16))
+    for step in range(3):
+        slots = torch.tensor([2, 0, 3], device=DEVICE)
+        pos = torch.tensor([step, 11 - step, 5], device=DEVICE)
+        k, v = _rows(3, 2, HEAD_DIM, g, dtype), _rows(3, 2, HEAD_DIM, g, dtype)
+        for c in (plain, packed):
+            c.write(1, slots, pos, k, v)
+    every = torch.tensor([3, 1, 0, 2], device=DEVICE)
+    for a, b in zip(plain.read(1, every, 12), packed.read(1, every, 12)):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+    ratio = bf16.nbytes() / packed.nbytes()
+    row = HEAD_DIM // 2 + HEAD_DIM // 16 + 4 if fmt == "fp4" else HEAD_DIM + 4     # codes, block scales, row scale
+    assert ratio == 2 * HEAD_DIM / row                        # d = 128: 256 bytes -> 76 (3.4x) / 132 (1.9x)
+    packed.release()
+    assert packed.nbytes() == 0
+    packed.allocate()
+    assert packed.nbytes() == bf16.nbytes() / ratio and not packed.read(1, every, 12)[0].any()
