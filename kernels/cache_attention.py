@@ -22,16 +22,19 @@ import triton
 import triton.language as tl
 
 from .fp4_kv_decode import _combine_kernel
+from .rounding import _cast_out
 from .w4a16_gemm import INTERPRET
 
 SPLIT_TOKENS = 256      # positions per split: short contexts touch one split, long ones spread out
 
 
 @triton.jit(do_not_specialize=["s_per_split"])
-def _cache_decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, ml_ptr,
+def _cache_decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, ml_ptr, o_ptr,
                          HQ, stride_slot, stride_pos, s_per_split, sm_scale,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, RNE: tl.constexpr):
+    """NUM_SPLITS == 1: the program holds the whole row and writes acc / sum (what _combine_kernel computes
+    from one split) straight to o_ptr, saving the combine launch."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -70,6 +73,11 @@ def _cache_decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, ml_p
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if NUM_SPLITS == 1:
+        o_rows = (b * HQ + heads).to(tl.int64)
+        tl.store(o_ptr + o_rows[:, None] * D + d[None, :], _cast_out(acc / l_i[:, None], o_ptr, RNE),
+                 mask=g_mask[:, None])
+        return
     out_row = (b * HQ + heads).to(tl.int64) * NUM_SPLITS + sp
     tl.store(acc_ptr + out_row[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
     tl.store(ml_ptr + out_row * 2, m_i, mask=g_mask)
@@ -100,15 +108,17 @@ def cache_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     group = hq // hkv
     num_splits, per_split = split_plan(s_max, block_s)
     qc = q.contiguous()
-    acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
-    ml = torch.empty((bsz, hq, num_splits, 2), device=q.device, dtype=torch.float32)
-    _cache_decode_kernel[(bsz, hkv, num_splits)](
-        qc, keys, values, slots, lens, acc, ml, hq, keys.stride(0), keys.stride(1), per_split, sm_scale,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s,
-        NUM_SPLITS=num_splits, DOT_F32=INTERPRET or q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages)
     out = torch.empty((bsz, hq, d), device=q.device, dtype=q.dtype)
-    _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=INTERPRET, num_warps=4)
+    # one split (a short cache): the kernel writes the output itself; else partials + the combine launch
+    acc = torch.empty((bsz, hq, num_splits, d) if num_splits > 1 else (1,), device=q.device, dtype=torch.float32)
+    ml = torch.empty((bsz, hq, num_splits, 2) if num_splits > 1 else (1,), device=q.device, dtype=torch.float32)
+    _cache_decode_kernel[(bsz, hkv, num_splits)](
+        qc, keys, values, slots, lens, acc, ml, out, hq, keys.stride(0), keys.stride(1), per_split, sm_scale,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s,
+        NUM_SPLITS=num_splits, DOT_F32=INTERPRET or q.dtype == torch.float32, RNE=INTERPRET, num_warps=num_warps,
+        num_stages=num_stages)
+    if num_splits > 1:
+        _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=INTERPRET, num_warps=4)
     return out
 
 

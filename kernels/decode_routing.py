@@ -81,7 +81,7 @@ def _topk_rows(logits_ptr, stride_l, probs_ptr, ids_ptr, row0, T, E, scaling,
 
 
 @triton.jit(do_not_specialize=["T", "rows_per_prog"])
-def _count_kernel(logits_ptr, stride_l, probs_ptr, ids_ptr, hist_ptr, T, E, rows_per_prog, scaling,
+def _route_count_kernel(logits_ptr, stride_l, probs_ptr, ids_ptr, hist_ptr, T, E, rows_per_prog, scaling,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
                   PRE_SOFTMAX: tl.constexpr, HAS_SCALE: tl.constexpr, RNE: tl.constexpr, TOPK: tl.constexpr):
     """Phase 1, program p over rows [p * rows_per_prog, (p + 1) * rows_per_prog): TOPK: the rows' top-k ids
@@ -107,7 +107,7 @@ def _count_kernel(logits_ptr, stride_l, probs_ptr, ids_ptr, hist_ptr, T, E, rows
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks", "num_progs", "per_prog"])
-def _scatter_kernel(ids_ptr, hist_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks, num_progs, per_prog,
+def _route_scatter_kernel(ids_ptr, hist_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks, num_progs, per_prog,
                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, P_CHUNK: tl.constexpr,
                     BLOCK_CHUNK: tl.constexpr):
     """Phase 2, program p: the stable counting sort of its assignments [p * per_prog, (p + 1) * per_prog)
@@ -169,8 +169,11 @@ def _route(logits, ids, probs, t: int, k: int, e: int, block_m: int, pre_softmax
     n = t * k
     e_pad, k_pad = triton.next_power_of_2(e), triton.next_power_of_2(k)
     nb = max_blocks(n, e, block_m)
-    # [rows, E] tiles of 16 rows: one program per 16 rows on a GPU (the interpreter pays per program: larger)
-    block_t = _tile_rows(e_pad, t if INTERPRET else min(t, 16))
+    # rows per program on a GPU: t / 8 (at least 2, at most 16), so that even a small batch spreads its sort
+    # and block table over 8 programs (one program for 16 rows cost 8 + 21 us at 16 rows on an H200); the
+    # interpreter pays per program, so it takes whole tiles
+    block_t = (_tile_rows(e_pad, t) if INTERPRET else
+               min(triton.next_power_of_2(max(2, triton.cdiv(t, 8))), 16, max(2, _TILE // e_pad)))
     # rows per program: a multiple of block_t giving at most MAX_PROGRAMS programs
     rows_per_prog = block_t * triton.cdiv(triton.cdiv(t, MAX_PROGRAMS), block_t)
     progs = triton.cdiv(t, rows_per_prog)
@@ -178,13 +181,13 @@ def _route(logits, ids, probs, t: int, k: int, e: int, block_m: int, pre_softmax
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     topk = logits is not None
-    _count_kernel[(progs,)](
+    _route_count_kernel[(progs,)](
         logits if topk else ids, logits.stride(0) if topk else 0, probs if topk else ids, ids, hist, t, e,
         rows_per_prog, float(scaling_factor) if scaling_factor else 1.0,
         TOP_K=k, K_PAD=k_pad, BLOCK_T=block_t, E_PAD=e_pad, PRE_SOFTMAX=pre_softmax,
         HAS_SCALE=bool(scaling_factor), RNE=INTERPRET, TOPK=topk, num_warps=4)
     per = rows_per_prog * k
-    _scatter_kernel[(progs,)](
+    _route_scatter_kernel[(progs,)](
         ids, hist, n, e, sorted_ids, block_expert, nb, progs, per,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_tile_rows(e_pad, per), P_CHUNK=_tile_rows(e_pad, progs),
         BLOCK_CHUNK=_tile_rows(e_pad, triton.cdiv(nb, progs)), num_warps=4)

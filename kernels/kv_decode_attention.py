@@ -48,9 +48,13 @@ MIN_BLOCKS = 2           # ... but a split of a full-length row keeps at least t
 
 @triton.jit
 def _dot(a, b, F32: tl.constexpr):
+    # one return: Triton's code generator still visits the statements after a return inside a constexpr if,
+    # so an early return here compiled the fp16 dot too and failed on fp32 queries (H200, 2026-12-02)
     if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -66,9 +70,11 @@ def _q_pow2(amax):
 def _fp8_f16(u, NATIVE: tl.constexpr):
     """E4M3 bytes -> float16: the value (NATIVE, GPU conversion) or value * 2^-8 (bit placement)."""
     if NATIVE:
-        return u.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    u = u.to(tl.int32)
-    return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+        out = u.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        w = u.to(tl.int32)
+        out = (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    return out
 
 
 @triton.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])

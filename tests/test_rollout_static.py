@@ -316,11 +316,12 @@ def test_cache_decode_attention_kernel_matches_reference():
     from megatron_qrl.kernels.cache_attention import cache_decode_attention, cache_decode_attention_reference
 
     g = torch.Generator().manual_seed(1)
-    for dtype in (torch.float32, torch.bfloat16):
-        keys = torch.randn(5, 600, 2, 32, generator=g).to(dtype)
-        values = torch.randn(5, 600, 2, 32, generator=g).to(dtype)
+    # 600 positions: 4 splits and the combine launch; 200: one split written by the kernel itself
+    for dtype, max_len in ((torch.float32, 600), (torch.bfloat16, 600), (torch.float32, 200), (torch.bfloat16, 200)):
+        keys = torch.randn(5, max_len, 2, 32, generator=g).to(dtype)
+        values = torch.randn(5, max_len, 2, 32, generator=g).to(dtype)
         q = torch.randn(4, 8, 32, generator=g).to(dtype)
-        slots, lens = torch.tensor([4, 0, 2, 2]), torch.tensor([1, 600, 257, 64])
+        slots, lens = torch.tensor([4, 0, 2, 2]), torch.tensor([1, max_len, 157, 64])
         out = cache_decode_attention(q, keys, values, slots, lens, 0.2)
         ref = cache_decode_attention_reference(q, keys, values, slots, lens, 0.2)
         err = float((out.float() - ref.float()).norm() / ref.float().norm())
