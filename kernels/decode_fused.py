@@ -273,7 +273,10 @@ def qk_norm_rope_cache(mixed: torch.Tensor, q_weight: Optional[torch.Tensor], k_
         positions, slots, k_cache, v_cache, q, float(eps), m.stride(0), cos.stride(0), k_cache.stride(0),
         k_cache.stride(1), num_heads, HPG=hpg, ROWS=triton.next_power_of_2(hpg + 1), D=D,
         D_PAD=triton.next_power_of_2(D), ROT=rot, NORM=norm, Q_NOISE=norm and q_noise is not None,
-        K_NOISE=norm and k_noise is not None, RNE=INTERPRET, num_warps=4)
+        K_NOISE=norm and k_noise is not None, RNE=INTERPRET, num_warps=4,
+        # no FMA contraction: torch rounds each RoPE product before the sum (with FMAs 13-15% of the bf16
+        # outputs and the fp32 ones differed from the reference on an H200, 2026-12-02)
+        enable_fp_fusion=False)
     return q
 
 
