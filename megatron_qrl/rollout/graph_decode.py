@@ -142,11 +142,13 @@ class DecodeState:
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors on the host through one device->host copy: each packed at a 16-byte aligned offset of one
-    device staging buffer, then returned as views of the host buffer. The host buffer is pageable (a
-    synchronous copy, 14.5 GB/s on the H200 machine): with a fresh pinned buffer per call (the samples keep
-    views of it, so it is never reused) the copy phase took ~70 ms per generate call of 64 x 127 tokens with
-    TRACE, where the pinned copy itself runs at 54 GB/s (docs/PERF.md, 2026-12-02)."""
+    """The tensors on the host through one pinned device->host copy: each packed at a 16-byte aligned offset
+    of one device staging buffer, then returned as views of the host buffer. With TRACE this is most of the
+    capture overhead: the copy lands in fresh host memory every call (the samples keep views of it); on the
+    H200 machine ~137 MB took ~70-100 ms that way (pinned, or pageable in a trial), against 54.6 GB/s
+    (pinned) / 14.5 GB/s (pageable) into reused memory -- most likely first-touch cost, not confirmed
+    (tools/profile_generate.py, docs/PERF.md 2026-12-02). Keeping the captures on the device for a
+    colocated trainer is the way out."""
     if not tensors or tensors[0].device.type == "cpu":
         return [t.contiguous() for t in tensors]
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
@@ -157,7 +159,9 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     stage = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for f, at in zip(flat, offsets):
         stage[at:at + f.numel()].copy_(f)
-    buf = stage.cpu()
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    buf.copy_(stage, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
     return [buf[at:at + f.numel()].view(t.dtype).view(t.shape) for t, f, at in zip(tensors, flat, offsets)]
 
 
