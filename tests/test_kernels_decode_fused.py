@@ -275,6 +275,12 @@ def _cache_values(cache):
     return [t for layer in range(cache.num_layers) for t in cache.read(layer, every, cache.max_len)]
 
 
+# The DecodeModel-level tests run the CPU test engine's kernels in the Triton interpreter; with a GPU visible
+# (QRL_KERNEL_TESTS_DEVICE=cuda runs of this file) they would hand CPU tensors to compiled kernels.
+CPU_ENGINE_ONLY = pytest.mark.skipif(DEVICE == "cuda", reason="runs the CPU test engine under the interpreter")
+
+
+@CPU_ENGINE_ONLY
 def test_decode_model_fused_path_equals_torch_path_and_sees_updates(source_model):
     """The fused kernels inside DecodeModel.forward against its torch code; weights and AQN noise changed in
     place afterwards reach the fused path (read at call time, as captured graphs need)."""
@@ -291,6 +297,7 @@ def test_decode_model_fused_path_equals_torch_path_and_sees_updates(source_model
     assert not torch.allclose(before, after)
 
 
+@CPU_ENGINE_ONLY
 @pytest.mark.parametrize("kv_cache", ["fp8", "fp4"])
 def test_decode_model_quantized_kv_writes(source_model, kv_cache):
     """A packed cache (fp8 here: the test model's head_dim 16 is too small for packed fp4) takes the fused
