@@ -42,7 +42,10 @@ from .kv_layout import PackedKV, gather
 from .w4a16_gemm import INTERPRET, _dequant_tile
 
 LOG2E = 1.4426950408889634
-PROGRAMS_PER_SM = 4      # split target: batch * kv_heads * splits >= this many programs per SM
+# defaults = the fastest of tools/bench_attention.py's sweep on an H200 at 8 of 10 shapes (2026-12-02: 128-position
+# blocks, 4 warps, 2 stages, 2 programs per SM; 1.05-1.28x of the old 64-position / 4-per-SM default's speed)
+BLOCK_S = 128
+PROGRAMS_PER_SM = 2      # split target: batch * kv_heads * splits >= this many programs per SM
 MIN_BLOCKS = 2           # ... but a split of a full-length row keeps at least this many BLOCK_S steps
 
 
@@ -192,7 +195,7 @@ def split_count(batch: int, kv_heads: int, max_len: int, block_s: int, sms: int,
 
 
 def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
-                            lens: torch.Tensor, sm_scale: float, *, block_s: int = 64, num_warps: int = 4,
+                            lens: torch.Tensor, sm_scale: float, *, block_s: int = BLOCK_S, num_warps: int = 4,
                             num_stages: int = 2, num_splits: Optional[int] = None, use_asm: Optional[bool] = None,
                             programs_per_sm: int = PROGRAMS_PER_SM, min_blocks: int = MIN_BLOCKS,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -125,11 +125,13 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
 
 
 def test_split_count_fills_the_gpu_and_stays_static():
-    assert split_count(1, 4, 8192, 64, 132) == 64              # 4 programs alone would leave 128 SMs idle
-    assert split_count(1, 4, 8192, 64, 132, min_blocks=1) == 128
-    assert split_count(64, 8, 2048, 64, 132) == 2
-    assert split_count(128, 8, 4096, 64, 132) == 1
-    assert split_count(1, 4, 100, 64, 132) == 1                # a short cache: no split below 2 blocks
+    four = dict(programs_per_sm=4)
+    assert split_count(1, 4, 8192, 64, 132, **four) == 64      # 4 programs alone would leave 128 SMs idle
+    assert split_count(1, 4, 8192, 64, 132, min_blocks=1, **four) == 128
+    assert split_count(64, 8, 2048, 64, 132, **four) == 2
+    assert split_count(128, 8, 4096, 64, 132, **four) == 1
+    assert split_count(1, 4, 100, 64, 132, **four) == 1        # a short cache: no split below 2 blocks
+    assert split_count(16, 4, 4096, 128, 132) == 8             # the default: 2 programs per SM, 128-position blocks
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
