@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_kv_decode import _combine_kernel
+from .attention_combine import _combine_kernel
 from .rounding import _cast_out
 from .w4a16_gemm import INTERPRET
 

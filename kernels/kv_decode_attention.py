@@ -7,7 +7,7 @@ split) is fixed by the batch and the cache shape, so a graph replays it as captu
 Flash-decoding with split-K over positions: each program takes the GQA group of query heads that share a
 KV head (padded to 16 rows for the tensor cores) and one of NUM_SPLITS equal slices of the row's OWN length
 (sized in the kernel from lens[b], so every split works whatever max_len is), walks it in BLOCK_S steps with
-an online softmax (exp2) and writes a partial (acc, max, sum); fp4_kv_decode._combine_kernel merges the
+an online softmax (exp2) and writes a partial (acc, max, sum); attention_combine._combine_kernel merges the
 splits in a fixed order (deterministic). The head-major layout makes each program's K and V one
 contiguous stream (codes, block scales, row scales).
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_kv_decode import _combine_kernel
+from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV, gather
 from .w4a16_gemm import INTERPRET, _dequant_tile
 

@@ -484,58 +484,6 @@ def bench_moe(args, copy_bw, log):
 
 
 # ----------------------------------------------------------------------------------------------------
-# decode attention over a quantized KV cache
-# ----------------------------------------------------------------------------------------------------
-ATTN = [(16, 4096), (64, 2048)]   # (batch, cached tokens); 32 query heads, 8 KV heads, head_dim 128
-
-
-def bench_attention(args, copy_bw, log):
-    from megatron_qrl.kernels import fp4_kv_decode as att
-
-    rows = []
-    hq, hkv, d = (32, 8, 128) if DEV == "cuda" else (4, 2, 64)
-    for bsz, s in ATTN:
-        q = torch.randn(bsz, hq, d, device=DEV, dtype=torch.bfloat16)
-        kx = torch.randn(bsz, hkv, s, d, device=DEV, dtype=torch.bfloat16)
-        vx = torch.randn(bsz, hkv, s, d, device=DEV, dtype=torch.bfloat16)
-        lens = torch.full((bsz,), s, device=DEV, dtype=torch.int32)
-        q4 = q[:, :, None, :]
-
-        def sdpa():
-            return torch.nn.functional.scaled_dot_product_attention(q4, kx, vx, enable_gqa=True)
-
-        t_bf16 = safe(log, "sdpa", lambda: graph_time_us([sdpa], args.rep_ms), float("nan"))
-        for fmt in ("nvfp4", "fp8"):
-            k, v = att.quantize_kv(kx.float(), fmt), att.quantize_kv(vx.float(), fmt)
-            ref = att.decode_attention_reference(q, k, v, lens)
-            # (block_s, num_warps, num_stages); the first is decode_attention's default
-            variants = [(64, 4, 3)] + ([(32, 4, 2), (128, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 2)]
-                                       if args.configs == "all" else [])
-            results = []
-            for bs, nw, ns in variants:
-                def call(bs=bs, nw=nw, ns=ns):
-                    return att.decode_attention(q, k, v, lens, block_s=bs, num_warps=nw, num_stages=ns)
-
-                e2 = safe(log, f"attn {fmt} bs{bs}/w{nw}s{ns}", lambda: rel_err(call(), ref), float("inf"))
-                t = safe(log, f"time attn {fmt}", lambda: graph_time_us([call], args.rep_ms)) if e2 < 2e-2 else None
-                results.append(dict(config=f"bs{bs}/w{nw}s{ns}", err=e2, us=t))
-            err, us = results[0]["err"], results[0]["us"]
-            kv_bytes = 2 * (k.data.numel() * k.data.element_size()
-                            + (k.scales.numel() if k.scales is not None else 0))
-            row = dict(kind="attn", fmt=fmt, B=bsz, S=s, heads=f"{hq}/{hkv}", head_dim=d, bf16_us=t_bf16,
-                       fp4_us=us, err=err, kv_bytes=kv_bytes, bf16_kv_bytes=2 * kx.numel() * 2, copy_gbs=copy_bw,
-                       all=results, best=dict(config="split-KV decode (default)", err=err, us=us) if us else None)
-            if us:
-                row["speedup"] = t_bf16 / us
-                row["fp4_gbs"] = kv_bytes / (us * 1e-6) / 1e9
-                row["bf16_gbs"] = 2 * kx.numel() * 2 / (t_bf16 * 1e-6) / 1e9
-            rows.append(row)
-            log(f"attn {fmt} B={bsz} S={s}: sdpa bf16 {t_bf16:.1f}us  ours {us or float('nan'):.1f}us "
-                f"err {err:.1e}", row)
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------------
 def markdown(env, rows):
@@ -549,9 +497,6 @@ def markdown(env, rows):
         if r["kind"] == "dense":
             shape = f"{r['fmt']} K={r['K']} N={r['N']}"
             mt = r["M"]
-        elif r["kind"] == "attn":
-            shape = f"decode attn, {r['fmt']} KV, heads {r['heads']}, d {r['head_dim']}, S={r['S']}"
-            mt = f"B={r['B']}"
         else:
             shape = f"MoE nvfp4 E={r['experts']} H={r['hidden']} F={r['ffn']} top{r['top_k']}"
             mt = r["T"]
@@ -583,8 +528,6 @@ def markdown(env, rows):
                          f"{(h or r['best'])['err']:.1e} |")
     lines += ["", "Read-only floor: a Triton streaming read of the same FP4 byte count (no math), timed the same "
               "way; no kernel that reads those bytes can be faster."]
-    lines += ["", "Attention rows: bf16 = torch SDPA (enable_gqa) over a bf16 cache; the GB/s columns count the "
-              "KV-cache bytes (codes + scales) instead of weights."]
     return "\n".join(lines)
 
 
@@ -637,7 +580,6 @@ def main():
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
-    ap.add_argument("--skip-attn", action="store_true")
     ap.add_argument("--workers", type=int, default=12, help="parallel precompile processes (0: none)")
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
@@ -645,13 +587,12 @@ def main():
     args = ap.parse_args()
     if args.profile:
         return profile(args)
-    global DENSE_SHAPES, MOE, DEV, L2_BYTES, ATTN
+    global DENSE_SHAPES, MOE, DEV, L2_BYTES
     if args.cpu_smoke:  # exercise this script's logic on CPU: interpreter, tiny shapes, wall-clock timing
         os.environ["TRITON_INTERPRET"] = "1"
         DEV = "cpu"
         DENSE_SHAPES = [(256, 192)]
         MOE = dict(hidden=128, ffn=64, experts=8, top_k=2)
-        ATTN = [(2, 64)]
         args.copies, args.workers, L2_BYTES = 2, 0, 0
     elif not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -684,8 +625,6 @@ def main():
         rows += bench_dense(args, env["copy_gbs"], log)
     if not args.skip_moe:
         rows += bench_moe(args, env["copy_gbs"], log)
-    if not args.skip_attn:
-        rows += safe(log, "attention bench", lambda: bench_attention(args, env["copy_gbs"], log), [])
     env["seconds"] = time.time() - t0
     md = markdown(env, rows)
     (args.out / "bench_kernels.md").write_text(md + "\n")

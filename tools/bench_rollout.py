@@ -226,16 +226,17 @@ def decode_rate(timer, prompts, a):
     return (statistics.median(ok) if ok else float("nan")), rates
 
 
-def graph_step_ms(engine, batch: int, a, steps: int = 32) -> float:
-    """Median-free mean time of one replay of the decode-step graph of `batch` rows, measured with CUDA events
-    over `steps` back-to-back replays (rows active from position prompt_len); the rows' state is restored."""
+def _active_rows(engine, batch: int, a):
+    """Make rows 0..batch-1 of a graph engine's decode state active (from position prompt_len, each in its own
+    KV slot, no length limit): (loop, bucket, the saved state to restore, greedy params), or None without a
+    CUDA-graph loop."""
     import torch
 
     from megatron_qrl.rollout.protocol import SamplingParams
 
     loop = engine._static_loop
     if loop is None or not torch.cuda.is_available():
-        return float("nan")
+        return None
     st = loop.state
     bucket = next(b for b in loop.buckets if b >= batch)
     saved = st.snapshot()
@@ -244,7 +245,19 @@ def graph_step_ms(engine, batch: int, a, steps: int = 32) -> float:
     st.slots[:batch] = torch.arange(batch, device=st.slots.device)
     st.n_gen[:batch] = 1
     st.max_new.fill_(10 ** 6)
-    params = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens)
+    return loop, bucket, saved, SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens)
+
+
+def graph_step_ms(engine, batch: int, a, steps: int = 32) -> float:
+    """Median-free mean time of one replay of the decode-step graph of `batch` rows, measured with CUDA events
+    over `steps` back-to-back replays (rows active from position prompt_len); the rows' state is restored."""
+    import torch
+
+    rows = _active_rows(engine, batch, a)
+    if rows is None:
+        return float("nan")
+    loop, bucket, saved, params = rows
+    st = loop.state
     loop.graphs.run(bucket, params)                       # captured during the timed generates; warm
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     steps = min(steps, a.new_tokens - 1)
@@ -277,20 +290,11 @@ def profile_step(engine, batch: int, a, steps: int = 8) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_qrl.rollout.protocol import SamplingParams
-
-    loop = engine._static_loop
-    if loop is None or not torch.cuda.is_available():
+    rows = _active_rows(engine, batch, a)
+    if rows is None:
         return {}
+    loop, bucket, saved, params = rows
     st = loop.state
-    bucket = next(b for b in loop.buckets if b >= batch)
-    saved = st.snapshot()
-    st.active[:batch] = True
-    st.positions[:batch] = a.prompt_len
-    st.slots[:batch] = torch.arange(batch, device=st.slots.device)
-    st.n_gen[:batch] = 1
-    st.max_new.fill_(10 ** 6)
-    params = SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens)
     steps = min(steps, a.new_tokens - 1)
     result = {}
     for mode in ("graph", "eager"):

@@ -16,7 +16,9 @@ OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SHIM="$(mktemp -d)"
 cp -r megatron_qrl "$SHIM/" && rm -rf "$SHIM/megatron_qrl/kernels" && cp -r kernels "$SHIM/megatron_qrl/kernels"
-mkdir -p "$SHIM/tests" && cp tests/test_kernels_gemm.py "$SHIM/tests/"
+TESTS="${TESTS:-tests/test_kernels_gemm.py}"      # GPU tests to run (QRL_KERNEL_TESTS_DEVICE=cuda)
+BENCH="${BENCH:-tools/bench_kernels.py}"          # the benchmark script (args: --out DIR, then "$@")
+mkdir -p "$SHIM/tests" && cp $TESTS "$SHIM/tests/"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 {
@@ -28,13 +30,13 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
   XDIST=""
   python3 -c "import xdist" 2>/dev/null && XDIST="-n ${TEST_WORKERS:-8}"
   (cd "$SHIM" && QRL_KERNEL_TESTS_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
-    $XDIST ${TEST_K:+-k "$TEST_K"} tests/test_kernels_gemm.py) 2>&1 | tee "$OUT/tests_gpu.txt" | tail -25
+    $XDIST ${TEST_K:+-k "$TEST_K"} $TESTS) 2>&1 | tee "$OUT/tests_gpu.txt" | tail -25
   rc=${PIPESTATUS[0]}
   echo "gpu tests exit code: $rc"
 fi
 brc=0
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  timeout "${BENCH_TIMEOUT:-400}" python3 tools/bench_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_log.txt" | tail -70
+  timeout "${BENCH_TIMEOUT:-400}" python3 "$BENCH" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_log.txt" | tail -70
   brc=${PIPESTATUS[0]}
   echo "bench exit code: $brc"
 fi
