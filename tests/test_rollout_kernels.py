@@ -15,17 +15,21 @@ from megatron_qrl.models.fp4_linear import CaptureRecord
 from test_rollout_engine import make_cfg, prompts
 
 
-@pytest.fixture(scope="module")
-def source_model():
+def built_model(cfg):
+    """Generator body of a module-scoped model fixture: process group up, seed 0, the model, teardown after."""
     from megatron_qrl.platform import init_distributed, teardown
 
-    cfg = make_cfg()
     init_distributed(cfg)
     from megatron_qrl.models import build_model
 
     torch.manual_seed(0)
     yield build_model(cfg)[0]
     teardown()
+
+
+@pytest.fixture(scope="module")
+def source_model():
+    yield from built_model(make_cfg())
 
 
 def pair(model, **kw):

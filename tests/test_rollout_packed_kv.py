@@ -14,6 +14,7 @@ from megatron_qrl.rollout import EmbeddedEngine, SamplingParams
 from megatron_qrl.rollout import embedded
 
 from test_rollout_engine import make_cfg, prompts
+from test_rollout_kernels import built_model
 from test_rollout_static import assert_same
 
 HEAD_DIM = 32
@@ -27,15 +28,7 @@ def cfg_of(decode="eager", kv_cache="fp4", **kw):
 
 @pytest.fixture(scope="module")
 def wide_model():
-    from megatron_qrl.platform import init_distributed, teardown
-
-    cfg = cfg_of()
-    init_distributed(cfg)
-    from megatron_qrl.models import build_model
-
-    torch.manual_seed(0)
-    yield build_model(cfg)[0]
-    teardown()
+    yield from built_model(cfg_of())
 
 
 def engine(model, kernels="on", **kw):

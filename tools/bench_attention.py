@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -237,23 +236,13 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (or --cpu-smoke)")
     args.out.mkdir(parents=True, exist_ok=True)
-    import triton
-
     if bk.DEV == "cuda":
         props = torch.cuda.get_device_properties(0)
         gpu, sms, l2 = props.name, props.multi_processor_count, float(getattr(props, "L2_cache_size", 0) or 60e6)
     else:
         gpu, sms, l2 = "cpu (interpreter smoke test)", 0, 0.0
-    env = dict(gpu=gpu, sms=sms, l2_mb=l2 / 1e6, torch=torch.__version__, triton=triton.__version__,
-               cuda=torch.version.cuda, python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
-               argv=sys.argv[1:] if argv is None else list(argv))
-    jsonl = open(args.out / "bench_attention.jsonl", "w")
-
-    def log(msg, row=None):
-        print(msg, flush=True)
-        if row is not None:
-            jsonl.write(json.dumps(row, default=str) + "\n")
-            jsonl.flush()
+    env = bk.machine_env(gpu, sms, l2 / 1e6, sys.argv[1:] if argv is None else argv)
+    log = bk.jsonl_logger(args.out / "bench_attention.jsonl")
 
     t0 = time.time()
     args.deadline = t0 + args.time_budget if args.time_budget > 0 else float("inf")

@@ -568,6 +568,27 @@ def profile(args):
         print(f"profiled case {i}: {name}")
 
 
+def machine_env(gpu: str, sms: int, l2_mb: float, argv) -> dict:
+    """The machine and library facts a benchmark's table and JSON start with."""
+    import triton
+
+    return dict(gpu=gpu, sms=sms, l2_mb=l2_mb, torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
+                argv=list(argv))
+
+
+def jsonl_logger(path):
+    """log(msg, row=None): print msg; append row (if any) to the JSONL file at path, flushed at once."""
+    jsonl = open(path, "w")
+
+    def log(msg, row=None):
+        print(msg, flush=True)
+        if row is not None:
+            jsonl.write(json.dumps(row, default=str) + "\n")
+            jsonl.flush()
+    return log
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -597,24 +618,14 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    import triton
-
     if DEV == "cuda":
         props = torch.cuda.get_device_properties(0)
         gpu, sms, l2 = props.name, props.multi_processor_count, getattr(props, "L2_cache_size", 0) / 1e6
         L2_BYTES = max(L2_BYTES, l2 * 1e6)
     else:
         gpu, sms, l2 = "cpu (interpreter smoke test)", 0, 0.0
-    env = dict(gpu=gpu, sms=sms, l2_mb=l2,
-               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-               python=platform.python_version(), date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:])
-    jsonl = open(args.out / "bench_kernels.jsonl", "w")
-
-    def log(msg, row=None):
-        print(msg, flush=True)
-        if row is not None:
-            jsonl.write(json.dumps(row, default=str) + "\n")
-            jsonl.flush()
+    env = machine_env(gpu, sms, l2, sys.argv[1:])
+    log = jsonl_logger(args.out / "bench_kernels.jsonl")
 
     t0 = time.time()
     precompile(plan(args), args.workers)
