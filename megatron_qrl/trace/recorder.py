@@ -83,8 +83,14 @@ class TraceRecorder:
 
     def reset(self, version: int) -> None:
         """New weights installed: records of the old ones are dropped; new caches carry `version`."""
-        self._kept.clear()
+        self.clear()
         self.version = version
+
+    def clear(self) -> None:
+        """Drop every kept record (what each seal does): the host memory they hold goes back to the
+        allocator, so the next generate call's captures land in reused memory (a benchmark that never seals
+        calls this between calls, as the loop's per-step seal does)."""
+        self._kept.clear()
 
     def keep(self, samples: list, first_index: int) -> list:
         """Give samples i = 0.. the handle first_index + i and keep their captures; returns the samples."""
@@ -102,7 +108,7 @@ class TraceRecorder:
             kept = self._kept.get(int(handle))
             if kept is not None:
                 builder.add_sample(position, kept.trace, routed_experts=kept.routed_experts)
-        self._kept.clear()
+        self.clear()
         return builder.build()
 
     def __len__(self) -> int:
