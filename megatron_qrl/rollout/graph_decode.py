@@ -323,6 +323,7 @@ class GraphDecodeLoop:
             raise ValueError(f"the graph decode path supports up to {st.max_stops} stop tokens, got "
                              f"{len(sampling.stop_token_ids)}; use rollout.decode=eager")
         S, N = len(prompts), sampling.max_new_tokens
+        self.model.refresh_weights()                   # weights may have been updated (in place) since the last call
         out = CallOutputs(S, N, self.shapes, dev)
         st.max_new.fill_(N)
         st.stop_ids.fill_(-1)
