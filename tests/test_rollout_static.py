@@ -119,6 +119,21 @@ def test_stop_tokens_retire_rows_early_under_w4a4(source_model):
     assert_same(a, b)
 
 
+def test_rows_compact_when_early_ones_finish(source_model, monkeypatch):
+    """A row that stops early frees its place: the rows still decoding move to the front (DecodeState.permute)
+    so that a smaller bucket serves them, and the results equal the eager engine's."""
+    from megatron_qrl.rollout.graph_decode import DecodeState
+
+    ps = prompts(5, 9, 3, seed=1)
+    free = engine(source_model, "eager").generate(ps, SamplingParams(temperature=0.0, max_new_tokens=8))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(free[0].tokens[2],))
+    counts, permute = [], DecodeState.permute
+    monkeypatch.setattr(DecodeState, "permute", lambda st, order, n: counts.append(n) or permute(st, order, n))
+    a, b = engine(source_model, "eager").generate(ps, sp), engine(source_model, "static", window=1).generate(ps, sp)
+    assert [s.finish_reason for s in a] == ["stop", "length", "length"] and counts == [2]
+    assert_same(a, b, trace=False)
+
+
 def test_weight_updates_and_release_resume(source_model):
     """The loop keeps working across in-place weight updates and a release/resume of the engine memory."""
     ps = prompts(6, 4, seed=3)

@@ -134,8 +134,7 @@ class DecodeState:
         """Move rows order[j] to j for j < count (compaction); the other rows become free."""
         for t in (self.tokens, self.positions, self.n_gen, self.keys, self.slots, self.seq, self.active,
                   self.reason):
-            moved = t[order]
-            t[:count] = moved
+            t[:count] = t[order[:count]]
         self.seq[count:] = -1
         self.active[count:] = False
         self.slots[count:] = self.scratch
