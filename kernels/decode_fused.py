@@ -6,8 +6,9 @@ do each group of them in one launch, with the numerics of the torch op sequence 
 - `add_rmsnorm`: residual add + RMSNorm with AQN noise (models/aqn_norm.py RMSNorm.forward), one program
   per row; x may be the k routed-expert slot outputs [B, k, N] of an MoE layer, summed here in fp32 in slot
   order and rounded to the model dtype (what `.float().sum(1).to(dtype)` computes, minus three launches and
-  an fp32 [B, k, N] temporary); `embed_rmsnorm` takes the rows from an embedding table by token id instead
-  (the first norm);
+  an fp32 [B, k, N] temporary); it can also write y's conversions for the next consumers (the router's
+  float32 input, the grouped expert kernels' fp16 operand), which saves their launches; `embed_rmsnorm`
+  takes the rows from an embedding table by token id instead (the first norm);
 - `qk_norm_rope_cache`: from the QKV linear's output (Megatron's per-group layout), QK-norm, RoPE on the
   query heads and the key, the K/V cache write at (slot, position), the query out; one program per
   (row, KV group).
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import _cast_out
+from .rounding import _cast_out, _to_bf16
 from .w4a16_gemm import INTERPRET
 
 
@@ -48,10 +49,11 @@ def _norm_weight(w_ptr, noise_ptr, offs, mask, HAS_NOISE: tl.constexpr, RNE: tl.
 
 # ------------------------------------------------------------------------------------ add + RMSNorm
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, ids_ptr, w_ptr, noise_ptr, y_ptr, h_ptr, N, eps,
+def _add_rmsnorm_kernel(x_ptr, res_ptr, ids_ptr, w_ptr, noise_ptr, y_ptr, h_ptr, wide_ptr, f16_ptr, N, eps,
                         stride_x, stride_slot, stride_res, stride_y, stride_h,
                         HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, HAS_NOISE: tl.constexpr,
-                        WRITE_H: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr):
+                        WRITE_H: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr,
+                        WIDE: tl.constexpr, F16_OPERAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -73,6 +75,17 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, ids_ptr, w_ptr, noise_ptr, y_ptr, h_ptr,
     w = _norm_weight(w_ptr, noise_ptr, cols, mask, HAS_NOISE, RNE)
     y = (h * rstd) * w
     tl.store(y_ptr + row * stride_y + cols, _cast_out(y, y_ptr, RNE), mask=mask)
+    if WIDE or F16_OPERAND:
+        # conversions of the stored y for the next consumers (rows with y's stride), from y read back after a
+        # barrier: they hang off memory, not off y's values, so they cannot change how the compiler lays out
+        # (and so sums) the norm above
+        tl.debug_barrier()
+        ys = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
+        if WIDE:                                                     # y.to(wide dtype): exact
+            tl.store(wide_ptr + row * stride_y + cols, ys.to(wide_ptr.dtype.element_ty), mask=mask)
+        if F16_OPERAND:                                              # to_fp16_operand(y.to(bfloat16))
+            yb = _to_bf16(ys.to(tl.float32), RNE).to(tl.float32)
+            tl.store(f16_ptr + row * stride_y + cols, (yb * (1.0 / 256.0)).to(tl.float16), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -87,27 +100,35 @@ def _check_norm_params(weight: torch.Tensor, noise: Optional[torch.Tensor], n: i
 
 
 def _launch_norm(x2, res2, ids, weight, noise, eps, y2, h2, n_rows: int, gather: bool, write_h: bool,
-                 slots: int = 1) -> None:
-    """x2: rows [R, N], or with slots > 1 slot outputs [R, slots, N] (unit stride along N)."""
+                 slots: int = 1, wide=None, f16=None) -> None:
+    """x2: rows [R, N], or with slots > 1 slot outputs [R, slots, N] (unit stride along N); wide / f16: extra
+    outputs laid out like y2."""
     n = weight.shape[0]
     block = triton.next_power_of_2(n)
     w = weight.contiguous()
     z = noise.contiguous() if noise is not None else w
     _add_rmsnorm_kernel[(n_rows,)](
-        x2, res2 if res2 is not None else x2, ids if ids is not None else x2, w, z, y2, h2, n, float(eps),
+        x2, res2 if res2 is not None else x2, ids if ids is not None else x2, w, z, y2, h2,
+        wide if wide is not None else y2, f16 if f16 is not None else y2, n, float(eps),
         x2.stride(0), x2.stride(1) if slots > 1 else 0, res2.stride(0) if res2 is not None else 0, y2.stride(0),
         h2.stride(0), HAS_RESIDUAL=res2 is not None, GATHER=gather, HAS_NOISE=noise is not None, WRITE_H=write_h,
-        SLOTS=slots, BLOCK=block, RNE=INTERPRET, num_warps=min(16, max(1, block // 512)))
+        SLOTS=slots, BLOCK=block, RNE=INTERPRET, WIDE=wide is not None, F16_OPERAND=f16 is not None,
+        num_warps=min(16, max(1, block // 512)))
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: Optional[torch.Tensor], eps: float,
-                residual: Optional[torch.Tensor] = None, slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: Optional[torch.Tensor] = None, slots: bool = False, wide: Optional[torch.Tensor] = None,
+                f16_operand: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = residual + x (in x's dtype; h = x without a residual), y = RMSNorm_{weight+noise}(h).
 
     x / residual [..., N] of one dtype, weight [N] (model dtype), noise [N] (the AQN buffer, any float
     dtype) or None. slots: x is [R, k, N], the k expert slot outputs of residual's R rows, and the x above
     is their fp32 sum in slot order rounded to x's dtype. One launch; h is the new residual stream (x itself
-    when there is neither a residual nor slots)."""
+    when there is neither a residual nor slots).
+    wide / f16_operand: contiguous tensors of y's shape that the same launch also fills, saving the
+    consumers' conversion launches: wide with y.to(wide.dtype) (a float dtype at least as wide as x's: the
+    router's fp32 input), f16_operand with moe_grouped_gemm.to_fp16_operand(y.to(torch.bfloat16)) (the
+    fp16 operand of the grouped expert kernels)."""
     n = x.shape[-1]
     _check_norm_params(weight, noise, n)
     rows_shape = x.shape[:-2] + x.shape[-1:] if slots else x.shape
@@ -116,6 +137,12 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: Optional[torch.Ten
     if residual is not None and (residual.shape != rows_shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(rows_shape)} {x.dtype}")
+    wide_ok = (torch.float32, torch.float64) if x.dtype != torch.float64 else (torch.float64,)
+    for name, t, dtypes in (("wide", wide, wide_ok), ("f16_operand", f16_operand, (torch.float16,))):
+        if t is not None and (t.shape != rows_shape or not t.is_contiguous() or t.dtype not in dtypes
+                              or t.device != x.device):
+            raise ValueError(f"{name} must be a contiguous {tuple(rows_shape)} tensor in one of {dtypes} on "
+                             f"{x.device}, got {t.dtype} {tuple(t.shape)}")
     x2 = x if slots else _rows(x)
     res2 = _rows(residual) if residual is not None else None
     y2 = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
@@ -123,7 +150,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: Optional[torch.Ten
     h2 = torch.empty_like(y2) if new_h else x2
     if x2.shape[0]:
         _launch_norm(x2, res2, None, weight, noise, eps, y2, h2, x2.shape[0], gather=False, write_h=new_h,
-                     slots=x.shape[1] if slots else 1)
+                     slots=x.shape[1] if slots else 1, wide=wide, f16=f16_operand)
     h = h2.view(rows_shape) if new_h else x
     return y2.view(rows_shape), h
 

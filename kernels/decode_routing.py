@@ -16,7 +16,9 @@ block_m-padded prefix sums, and scatters its own assignments (its offset within 
 assignments in earlier programs, its rank inside = a one-hot cumsum), then writes its share of the blocks'
 experts and pads. Until 2026-12-02 one program did all of it: its serial chunks cost 21 / 40 / 139 us per
 layer at 16 / 64 / 256 rows on an H200 (docs/PERF.md). No host synchronisation, output shapes from input
-shapes only (CUDA-graph capturable). `align_only(ids, E, block_m)` is the sort alone.
+shapes only (CUDA-graph capturable). `align_only(ids, E, block_m)` is the sort alone. The second launch can
+also copy the ids in int16 into a column of the decode step's R3 record (`routed`), which then needs no
+cast and no stack of its own (an integer-only kernel: nothing it computes can change).
 Reference: torch.topk + Megatron's function + moe_align (tests/test_kernels_decode_routing.py).
 """
 from __future__ import annotations
@@ -108,12 +110,14 @@ def _route_count_kernel(logits_ptr, stride_l, probs_ptr, ids_ptr, hist_ptr, T, E
 
 @triton.jit(do_not_specialize=["n", "num_blocks", "num_progs", "per_prog"])
 def _route_scatter_kernel(ids_ptr, hist_ptr, n, E, sorted_ptr, block_expert_ptr, num_blocks, num_progs, per_prog,
+                    routed_ptr, stride_r, top_k,
                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, P_CHUNK: tl.constexpr,
-                    BLOCK_CHUNK: tl.constexpr):
+                    BLOCK_CHUNK: tl.constexpr, ROUTED: tl.constexpr):
     """Phase 2, program p: the stable counting sort of its assignments [p * per_prog, (p + 1) * per_prog)
     (position = the expert's padded start + the expert's assignments in programs < p + the rank in p), and
     its share of the blocks' experts and pad entries (value n). Real entries and pads land on disjoint
-    positions, so the programs need no ordering among themselves."""
+    positions, so the programs need no ordering among themselves. ROUTED: its assignments' ids also go to
+    routed_ptr as int16 (assignment t * top_k + j at row t, slot j; row stride stride_r)."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     total = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -132,6 +136,8 @@ def _route_scatter_kernel(ids_ptr, hist_ptr, n, E, sorted_ptr, block_expert_ptr,
     for start in range(lo, hi, CHUNK):
         a = start + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + a, mask=a < hi, other=-1).to(tl.int32)
+        if ROUTED:
+            tl.store(routed_ptr + (a // top_k).to(tl.int64) * stride_r + a % top_k, e.to(tl.int16), mask=a < hi)
         onehot = (e[:, None] == experts[None, :]).to(tl.int32)
         rank = tl.cumsum(onehot, 0) - onehot                    # rank among this chunk's same-expert rows
         dest = tl.sum(onehot * (rank + cursor[None, :]), 1)
@@ -163,8 +169,9 @@ def _tile_rows(e_pad: int, wanted: int) -> int:
 
 
 def _route(logits, ids, probs, t: int, k: int, e: int, block_m: int, pre_softmax: bool = False,
-           scaling_factor: Optional[float] = None) -> MoERouting:
-    """The two launches: per-program top-k (when logits is given) and expert counts, then the sort."""
+           scaling_factor: Optional[float] = None, routed: Optional[torch.Tensor] = None) -> MoERouting:
+    """The two launches: per-program top-k (when logits is given) and expert counts, then the sort (routed:
+    and the int16 copy of the ids)."""
     dev = ids.device
     n = t * k
     e_pad, k_pad = triton.next_power_of_2(e), triton.next_power_of_2(k)
@@ -188,9 +195,10 @@ def _route(logits, ids, probs, t: int, k: int, e: int, block_m: int, pre_softmax
         HAS_SCALE=bool(scaling_factor), RNE=INTERPRET, TOPK=topk, num_warps=4)
     per = rows_per_prog * k
     _route_scatter_kernel[(progs,)](
-        ids, hist, n, e, sorted_ids, block_expert, nb, progs, per,
+        ids, hist, n, e, sorted_ids, block_expert, nb, progs, per, routed if routed is not None else ids,
+        routed.stride(0) if routed is not None else 0, k,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_tile_rows(e_pad, per), P_CHUNK=_tile_rows(e_pad, progs),
-        BLOCK_CHUNK=_tile_rows(e_pad, triton.cdiv(nb, progs)), num_warps=4)
+        BLOCK_CHUNK=_tile_rows(e_pad, triton.cdiv(nb, progs)), ROUTED=routed is not None, num_warps=4)
     return MoERouting(sorted_ids, block_expert, nb, block_m, t, k)
 
 
@@ -212,9 +220,11 @@ def align_only(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> M
 
 def route_and_align(logits: torch.Tensor, top_k: int, block_m: int, score: str = "softmax",
                     pre_softmax: bool = False, scaling_factor: Optional[float] = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, MoERouting]:
+                    routed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, MoERouting]:
     """Router logits [T, E] -> (probs [T, k] in logits.dtype, ids [T, k] int64, the MoERouting of the ids
-    for block_m), as Megatron's softmax top-k routing + moe_align compute them; two launches."""
+    for block_m), as Megatron's softmax top-k routing + moe_align compute them; two launches.
+    routed: an int16 [T, k] tensor (any row stride, unit slot stride: e.g. one MoE layer's slice of a decode
+    step's [T, layers, k] R3 record) that the second launch also writes the ids into."""
     if score != "softmax":
         raise ValueError(f"route_and_align implements the softmax score function, got {score!r}")
     if logits.dim() != 2:
@@ -225,7 +235,11 @@ def route_and_align(logits: torch.Tensor, top_k: int, block_m: int, score: str =
     _check(e, block_m)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if routed is not None and (routed.shape != (t, top_k) or routed.dtype != torch.int16 or routed.stride(1) != 1
+                               or routed.device != logits.device):
+        raise ValueError(f"routed must be int16 [{t}, {top_k}] with unit slot stride on {logits.device}, got "
+                         f"{routed.dtype} {tuple(routed.shape)} stride {routed.stride()} on {routed.device}")
     probs = torch.empty((t, top_k), dtype=logits.dtype, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
-    routing = _route(logits, ids, probs, t, top_k, e, block_m, pre_softmax, scaling_factor)
+    routing = _route(logits, ids, probs, t, top_k, e, block_m, pre_softmax, scaling_factor, routed)
     return probs, ids, routing

@@ -223,6 +223,11 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4")
 
 
+def converts_input(cfg: MoEConfig, fmt: str) -> bool:
+    """Whether the gate/up projection under cfg first converts its input to the fp16 operand (one launch)."""
+    return cfg.x_pre and cfg.fp16_dot and fmt == "nvfp4" and not cfg.gemv
+
+
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
     """x: bf16 activations, or (fp16 path) the fp16 operand x * 2^-8; y: bf16, or fp16 for a scaled
     intermediate (gate/up with x_pre)."""
@@ -253,16 +258,23 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
 
 
 def moe_gate_up(x: torch.Tensor, w13: PreparedFP4Weight, routing: MoERouting,
-                config: Optional[MoEConfig] = None) -> torch.Tensor:
+                config: Optional[MoEConfig] = None, x_operand: Optional[torch.Tensor] = None) -> torch.Tensor:
     """silu(x W1^T) * (x W3^T) per assignment, rows in sorted order: [num_blocks * block_m, F], bf16, or with
-    cfg.x_pre (fp16 path) fp16 holding the value * 2^-8 (what moe_down consumes directly)."""
+    cfg.x_pre (fp16 path) fp16 holding the value * 2^-8 (what moe_down consumes directly). x_operand: the
+    caller's to_fp16_operand(x) (e.g. written by the norm before), used instead of converting x here."""
     f = w13.n // 2
     cfg = config or heuristic_moe_config(routing.n_assign, w13.num_experts, f, w13.k, True, w13.fmt)
     if cfg.block_m != routing.block_m:
         raise ValueError(f"config block_m={cfg.block_m} differs from the routing's {routing.block_m}")
-    pre = cfg.x_pre and cfg.fp16_dot and w13.fmt == "nvfp4" and not cfg.gemv
+    pre = converts_input(cfg, w13.fmt)
     if pre and x.dtype != torch.float16:
-        x = to_fp16_operand(x)
+        if x_operand is None:
+            x = to_fp16_operand(x)
+        elif x_operand.shape != x.shape or x_operand.dtype != torch.float16 or not x_operand.is_contiguous():
+            raise ValueError(f"x_operand must be contiguous float16 {tuple(x.shape)}, got {x_operand.dtype} "
+                             f"{tuple(x_operand.shape)}")
+        else:
+            x = x_operand
     h = torch.empty((routing.sorted_ids.numel(), f), device=x.device,
                     dtype=torch.float16 if pre else torch.bfloat16)
     return _launch(x, w13, h, routing, None, True, cfg)
@@ -295,12 +307,13 @@ def moe_down(h: torch.Tensor, w2: PreparedFP4Weight, routing: MoERouting, topk_w
 def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, topk_ids: Optional[torch.Tensor],
               topk_weights: torch.Tensor, *, routing: Optional[MoERouting] = None,
               gate_up_config: Optional[MoEConfig] = None, down_config: Optional[MoEConfig] = None,
-              combine: bool = True) -> torch.Tensor:
+              combine: bool = True, x_operand: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed-expert SwiGLU MLP: sum_j topk_w[t, j] * W2[e] (silu(W1[e] x_t) * W3[e] x_t), e = topk_ids[t, j].
 
     x [T, H] bf16; w13 prepared [E, 2F, H] (gate rows first); w2 prepared [E, H, F]. Returns [T, H] bf16, or
     with combine=False the k weighted expert outputs [T, k, H] (bf16) for the caller to sum in its precision.
-    Pass `routing` (from moe_align) to reuse one sort across layers that share the routing.
+    Pass `routing` (from moe_align) to reuse one sort across layers that share the routing, and `x_operand`
+    (to_fp16_operand of x in bf16, see moe_gate_up) when the caller already has it.
     """
     if w13.num_experts is None or w2.num_experts is None:
         raise ValueError("moe_w4a16 needs expert stacks ([E, N, K/2]) from prepare_*_weight")
@@ -317,7 +330,7 @@ def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, to
         bm = (gate_up_config.block_m if gate_up_config else
               heuristic_moe_config(t * k, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt).block_m)
         routing = moe_align(topk_ids, w13.num_experts, bm)
-    h = moe_gate_up(x, w13, routing, gate_up_config)
+    h = moe_gate_up(x, w13, routing, gate_up_config, x_operand)
     if down_config is None:
         if gate_up_config is None:
             down_config = heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt)

@@ -91,6 +91,35 @@ def test_add_rmsnorm_sums_expert_slots_in_fp32_slot_order(dtype, k):
     assert torch.equal(h0, add_rmsnorm_reference(x, weight, None, 1e-6, slots=True)[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("slots, hidden", [(0, 256), (4, 256), (8, 2048), (0, 4096)], ids=str)
+def test_add_rmsnorm_also_writes_the_consumers_conversions(dtype, slots, hidden):
+    """wide / f16_operand: the same launch also writes y.to(wide.dtype) (the router's float32 input) and the
+    grouped expert kernels' fp16 operand (moe_grouped_gemm.to_fp16_operand of y in bf16), which replace
+    those conversion launches in the decode step; y and h stay bit for bit what they are without them (on a
+    GPU: the compiled variants must not sum differently; 2048 / 4096 are the bench models' widths)."""
+    from megatron_qrl.kernels.moe_grouped_gemm import to_fp16_operand
+
+    g = _gen(20 + slots + hidden)
+    x = _randn(*((6, slots, hidden) if slots else (6, hidden)), g=g, dtype=dtype)
+    res = _randn(6, hidden, g=g, dtype=dtype, scale=3.0)
+    weight, noise = (1 + _randn(hidden, g=g, scale=0.1)).to(dtype), _randn(hidden, g=g, scale=0.05)
+    y, h = add_rmsnorm(x, weight, noise, 1e-6, residual=res, slots=bool(slots))
+    for wide_dtype in (torch.float32, torch.float64):
+        wide = torch.full((6, hidden), POISON, dtype=wide_dtype, device=DEVICE)
+        f16 = torch.full((6, hidden), POISON, dtype=torch.float16, device=DEVICE)
+        y2, h2 = add_rmsnorm(x, weight, noise, 1e-6, residual=res, slots=bool(slots), wide=wide, f16_operand=f16)
+        assert torch.equal(y2, y) and torch.equal(h2, h)
+        assert torch.equal(wide, y.to(wide_dtype))
+        assert torch.equal(f16, to_fp16_operand(y.to(torch.bfloat16)))
+    y3, _ = add_rmsnorm(x, weight, noise, 1e-6, residual=res, slots=bool(slots), wide=wide)   # either one alone
+    assert torch.equal(y3, y) and torch.equal(wide, y.to(wide.dtype))
+    for bad in (dict(wide=wide[:5]), dict(wide=wide.to(torch.float16)), dict(f16_operand=wide),
+                dict(f16_operand=f16[:, :128])):
+        with pytest.raises(ValueError, match="contiguous"):
+            add_rmsnorm(x, weight, noise, 1e-6, residual=res, slots=bool(slots), **bad)
+
+
 def test_noise_is_rounded_to_the_weight_dtype_before_the_multiply():
     """weight + noise is a bf16 add (RMSNorm.effective_weight): noise below half a weight ulp vanishes."""
     weight = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)

@@ -139,6 +139,25 @@ def test_any_split_over_programs_gives_the_same_routing(monkeypatch):
         assert_same_routing(results[0][2], other[2])
 
 
+@pytest.mark.parametrize("t, e, k", [(1, 4, 2), (64, 128, 8), (257, 128, 8), (2048, 128, 8)], ids=str)
+def test_route_writes_the_r3_record_column(t, e, k):
+    """routed=: the second launch also writes the ids as int16 into one MoE layer's column of a decode step's
+    [T, layers, k] R3 record -- what `ids.to(torch.int16)` and a stack over the layers gave -- and every other
+    output is unchanged."""
+    g = torch.Generator().manual_seed(t + e)
+    logits = (torch.randn(t, e, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+    probs, ids, routing = route_and_align(logits, k, 16)
+    record = torch.full((t, 3, k), -7, dtype=torch.int16, device=DEVICE)
+    p2, i2, r2 = route_and_align(logits, k, 16, routed=record[:, 1])
+    assert torch.equal(record[:, 1], ids.to(torch.int16))
+    assert bool((record[:, 0] == -7).all()) and bool((record[:, 2] == -7).all())
+    assert torch.equal(p2, probs) and torch.equal(i2, ids)
+    assert_same_routing(r2, routing)
+    for bad in (record[:, 1].to(torch.int32), record[:, 1, :k - 1] if k > 1 else record[:1, 1], record[:, :, 0]):
+        with pytest.raises(ValueError, match="routed"):
+            route_and_align(logits, k, 16, routed=bad)
+
+
 def test_refuses_what_it_does_not_implement():
     logits = torch.randn(4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="softmax"):

@@ -655,6 +655,26 @@ def test_moe_tma_weight_tiles():
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
 
 
+def test_moe_takes_a_precomputed_fp16_operand():
+    """x_operand (to_fp16_operand of x, which the decode step's norm writes in its own launch) replaces the
+    gate/up conversion launch where the config converts its input, with the same output bits; a config that
+    does not convert ignores it."""
+    from megatron_qrl.kernels.moe_grouped_gemm import converts_input, to_fp16_operand
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2, x, ids, tw = _moe_case("nvfp4", 4, 128, 96, 2, 20, gen)
+    op = to_fp16_operand(x)
+    pre = MoEConfig(block_m=16, block_n=64, block_k=64, x_pre=True)
+    dn = MoEConfig(block_m=16, block_n=64, block_k=32)
+    for gu in (pre, MoEConfig(block_m=16, block_n=64, block_k=64)):
+        y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
+        assert torch.equal(moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn, x_operand=op), y)
+    assert converts_input(pre, "nvfp4") and not converts_input(pre, "mxfp4")
+    with pytest.raises(ValueError, match="x_operand"):
+        moe_w4a16(x, w13, w2, ids, tw, gate_up_config=pre, down_config=dn, x_operand=op[:5])
+
+
 @pytest.mark.parametrize("block_m,block_n,block_k", [(1, 64, 128), (2, 32, 64), (2, 64, 256)])
 def test_moe_gemv_matches_per_expert_reference(block_m, block_n, block_k):
     """The CUDA-core path: experts with 0, 1 and several tokens (block_m=2 pads odd runs), F not a multiple

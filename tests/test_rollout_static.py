@@ -119,6 +119,21 @@ def test_stop_tokens_retire_rows_early_under_w4a4(source_model):
     assert_same(a, b)
 
 
+def test_rows_compact_when_early_ones_finish(source_model, monkeypatch):
+    """A row that stops early frees its place: the rows still decoding move to the front (DecodeState.permute)
+    so that a smaller bucket serves them, and the results equal the eager engine's."""
+    from megatron_qrl.rollout.graph_decode import DecodeState
+
+    ps = prompts(5, 9, 3, seed=1)
+    free = engine(source_model, "eager").generate(ps, SamplingParams(temperature=0.0, max_new_tokens=8))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(free[0].tokens[2],))
+    counts, permute = [], DecodeState.permute
+    monkeypatch.setattr(DecodeState, "permute", lambda st, order, n: counts.append(n) or permute(st, order, n))
+    a, b = engine(source_model, "eager").generate(ps, sp), engine(source_model, "static", window=1).generate(ps, sp)
+    assert [s.finish_reason for s in a] == ["stop", "length", "length"] and counts == [2]
+    assert_same(a, b, trace=False)
+
+
 def test_weight_updates_and_release_resume(source_model):
     """The loop keeps working across in-place weight updates and a release/resume of the engine memory."""
     ps = prompts(6, 4, seed=3)
@@ -351,3 +366,97 @@ def test_grouped_bf16_experts_match_megatron_experts(source_model):
     moved = sum_slots(grouped(x, ids, probs, active)[0])
     assert torch.allclose(moved, MegatronExperts(mlp, False, False)(x, ids, probs, active)[0], atol=1e-6, rtol=1e-5)
     assert not torch.allclose(moved, out)
+
+
+# ------------------------------------------------------------------- launches removed from the step
+def _bf16_engine(model, **kw):
+    """A static kernel-path engine whose model runs in bf16, as on a GPU: the router's fp32 casts (Megatron's
+    moe_router_dtype=fp32) only exist then."""
+    cfg = make_cfg(**kw)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"bf16": True}),
+                                 "rollout": cfg.rollout.model_copy(update={"decode": "static"})})
+    e = EmbeddedEngine(cfg, keep_codes=True, kernels="on")
+    e.sync_from_model(model, version=0)
+    return e
+
+
+def _step_inputs(B, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 64, (B,), generator=g), torch.randint(0, 20, (B,), generator=g), torch.arange(B),
+            torch.rand(B, generator=g) > 0.2)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_step_router_logits_are_router_gating(source_model, bf16):
+    """The step's router GEMM is Router.gating bit for bit. Over a bf16 model (moe_router_dtype=fp32) the step
+    keeps an fp32 copy of the weight, which refresh_weights (every generate call) updates in place after
+    weight changes; over an fp32 model it reads the parameter itself."""
+    from megatron_qrl.rollout.decode_path import build_graph_loop
+
+    eng = _bf16_engine(source_model) if bf16 else engine(source_model, "static", kernels="on")
+    step = build_graph_loop(eng, "static").model
+    g = torch.Generator().manual_seed(8)
+    for i in step.moe_index:
+        r = step.layers[i].mlp.router
+        w = step.router_weights[i]
+        assert w.dtype == torch.float32 and (w is not r.weight) == bf16
+        x = torch.randn(5, 64, generator=g).to(step.dtype)
+        assert torch.equal(step._router_logits(i, r, x, None), r.gating(x))
+        assert torch.equal(step._router_logits(i, r, x, x.float()), r.gating(x))
+        with torch.no_grad():
+            r.weight.mul_(1.25)                                            # an in-place weight update
+        step.refresh_weights()
+        assert torch.equal(step._router_logits(i, r, x, None), r.gating(x))
+
+
+@pytest.mark.parametrize("kw", [dict(weights="nvfp4", scheme="w4a16"), dict(weights="nvfp4", scheme="w4a4")],
+                         ids=lambda kw: "-".join(kw.values()))
+def test_step_conversions_in_the_norm_give_the_old_numbers(source_model, kw, monkeypatch):
+    """bf16 model, kernel path, 32 rows (the bucket whose W4A16 gate/up converts its input to the fp16
+    operand): the pre-MLP norm also writes the router's fp32 input and that operand, and the router weight is
+    kept in fp32; logits, R3 ids and TRACE bytes equal, bit for bit, the step with the separate conversions
+    (router.gating, the experts' own conversion launch)."""
+    from megatron_qrl.kernels import moe_grouped_gemm
+    from megatron_qrl.rollout.decode_path import build_graph_loop
+    from megatron_qrl.rollout.static_decode import DecodeModel
+
+    B = 32
+    step = build_graph_loop(_bf16_engine(source_model, max_batch_size=B, **kw), "static").model
+    wide, f16 = step._moe_inputs(1, torch.zeros(B, 64, dtype=torch.bfloat16))
+    w4a16 = kw["scheme"] == "w4a16"
+    assert wide.dtype == torch.float32 and (f16 is not None) == w4a16
+    inputs = _step_inputs(B, seed=9)
+    with monkeypatch.context() as m:          # the experts take the norm's operand: no conversion of their own
+        m.setattr(moe_grouped_gemm, "to_fp16_operand", lambda x: pytest.fail("converted the expert input"))
+        new, new_rec = step.forward(*inputs)
+    monkeypatch.setattr(DecodeModel, "_moe_inputs", lambda self, i, h: (None, None))
+    step.router_weights = dict.fromkeys(step.router_weights)                # None: router.gating
+    old, old_rec = step.forward(*inputs)
+    assert torch.equal(new, old) and torch.equal(new_rec.routed, old_rec.routed)
+    assert sorted(new_rec.trace) == sorted(old_rec.trace) == ([] if w4a16 else [0, 1])
+    for layer, roles in old_rec.trace.items():
+        for role, fields in roles.items():
+            for name, t in fields.items():
+                assert torch.equal(_raw(new_rec.trace[layer][role][name]), _raw(t)), (layer, role, name)
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_step_r3_record_holds_each_layers_ids(source_model, kernels, monkeypatch):
+    """The step's R3 record [B, moe_layers, k] is the per-layer ids in int16 stacked over the MoE layers (the
+    former ids.to(int16) + torch.stack): the routing kernels write each layer's column (kernel experts), one
+    copy does it (reference experts)."""
+    from megatron_qrl.rollout import decode_experts
+    from megatron_qrl.rollout.decode_path import build_graph_loop
+
+    step = build_graph_loop(engine(source_model, "static", kernels=kernels), "static").model
+    seen = []
+    cls = decode_experts.FP4KernelExperts if kernels == "on" else decode_experts.MegatronExperts
+    call = cls.__call__
+
+    def spy(self, x, ids, *args, **kw):
+        seen.append(ids.clone())
+        return call(self, x, ids, *args, **kw)
+    monkeypatch.setattr(cls, "__call__", spy)
+    _, rec = step.forward(*_step_inputs(4, seed=10))
+    assert len(seen) == 2 and rec.routed.dtype == torch.int16
+    assert torch.equal(rec.routed, torch.stack([ids.to(torch.int16) for ids in seen], dim=1))

@@ -28,13 +28,15 @@ import torch.nn.functional as F
 Capture = Optional[dict[str, dict[str, torch.Tensor]]]
 
 
-def expert_row_scales(row_amax: torch.Tensor, row_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """NVFP4 global scale of each row's expert: amax over that expert's rows / (6 * 448) (zero -> 1/(6*448))."""
+def expert_row_scales(row_amax: torch.Tensor, row_expert: torch.Tensor, num_experts: int,
+                      one: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """NVFP4 global scale of each row's expert: amax over that expert's rows / (6 * 448) (zero -> 1/(6*448)).
+    one: a float32 1 on the device, made once by the caller (saves a fill launch per call)."""
     from megatron_qrl.quant.nvfp4 import E4M3_MAX, e2m1
 
     amax = torch.zeros(num_experts, dtype=torch.float32, device=row_amax.device)
     amax.scatter_reduce_(0, row_expert, row_amax.float(), reduce="amax", include_self=True)
-    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax) if one is None else one)
     return (amax / (e2m1.E2M1_MAX * E4M3_MAX))[row_expert]
 
 
@@ -100,6 +102,12 @@ class FP4KernelExperts:
     def __init__(self, runner, fmt: str, w4a4: bool, capture: bool, keep_codes: bool):
         self.runner, self.fmt, self.w4a4 = runner, fmt, w4a4
         self.capture, self.keep_codes = capture and w4a4, keep_codes
+        # W4A4 constants, made once: a Python scalar in torch.where, new_zeros or ones_like would fill a fresh
+        # device tensor (one launch) at every call; torch.where keeps x's dtype with these 0-dim float32 ones
+        dev = runner.w13.device
+        self._zero = torch.zeros((), dtype=torch.float32, device=dev)
+        self._one = torch.ones((), dtype=torch.float32, device=dev)
+        self._zero_row = torch.zeros((1, runner.w13.n // 2), dtype=torch.bfloat16, device=dev)   # the pad row of h
 
     def _quantize(self, rows: torch.Tensor, row_expert: torch.Tensor, num_experts: int):
         """W4A4 input of one role: (dequantized rows, capture dict or None), one launch."""
@@ -108,7 +116,7 @@ class FP4KernelExperts:
 
         gs = None
         if self.fmt == "nvfp4":
-            gs = expert_row_scales(rows.abs().amax(-1), row_expert, num_experts).unsqueeze(-1)
+            gs = expert_row_scales(rows.abs().amax(-1), row_expert, num_experts, self._one).unsqueeze(-1)
         if not self.capture:
             if gs is None:
                 return mxfp4_fake_quant_triton(rows, check_finite=False), None
@@ -129,23 +137,36 @@ class FP4KernelExperts:
         return heuristic_moe_config(n_assign, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt).block_m
 
     def route(self, logits: torch.Tensor, top_k: int, pre_softmax: bool = False,
-              scaling_factor: Optional[float] = None):
-        """Router logits [B, E] -> (probs [B, k], ids [B, k], MoERouting for this layer's kernels)."""
+              scaling_factor: Optional[float] = None, routed: Optional[torch.Tensor] = None):
+        """Router logits [B, E] -> (probs [B, k], ids [B, k], MoERouting for this layer's kernels); routed: an
+        int16 [B, k] view that gets the ids too (the step's R3 record, decode_routing.route_and_align)."""
         from megatron_qrl.kernels.decode_routing import route_and_align
 
         return route_and_align(logits, top_k, self._block_m(logits.shape[0] * top_k), pre_softmax=pre_softmax,
-                               scaling_factor=scaling_factor)
+                               scaling_factor=scaling_factor, routed=routed)
+
+    def takes_fp16_operand(self, n_assign: int) -> bool:
+        """Whether a call with n_assign (token, slot) assignments converts its input to the gate/up kernel's
+        fp16 operand (W4A16 on the tensor-core path): then the step's norm writes that operand too and the
+        call takes it as x_operand, one launch fewer."""
+        from megatron_qrl.kernels.moe_grouped_gemm import converts_input, heuristic_moe_config
+
+        w13 = self.runner.w13
+        cfg = heuristic_moe_config(n_assign, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt)
+        return not self.w4a4 and converts_input(cfg, w13.fmt)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, active: torch.Tensor,
-                 routing=None):
-        """routing: the MoERouting of ids from `route` (None: aligned here)."""
+                 routing=None, x_operand: Optional[torch.Tensor] = None):
+        """routing: the MoERouting of ids from `route` (None: aligned here); x_operand: the fp16 operand of x
+        (W4A16, see takes_fp16_operand), else converted here if the kernel wants it."""
         from megatron_qrl.kernels.moe_grouped_gemm import moe_w4a16
 
         w13, w2 = self.runner.w13, self.runner.w2
         if not self.w4a4:      # W4A16: rows are independent in every kernel, inactive ones need no zeroing
-            y = moe_w4a16(x.to(torch.bfloat16), w13, w2, ids, probs, routing=routing, combine=False)
+            y = moe_w4a16(x.to(torch.bfloat16), w13, w2, ids, probs, routing=routing, combine=False,
+                          x_operand=x_operand)
             return y.to(x.dtype), None       # [B, k, H]: the step sums the slots in fp32, as the unpermute does
-        return self._w4a4(torch.where(active[:, None], x, torch.zeros_like(x)), ids, probs, routing)
+        return self._w4a4(torch.where(active[:, None], x, self._zero), ids, probs, routing)
 
     def _w4a4(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, routing=None):
         """Each (token, slot) is its own row: its expert's input scale, then the kernels with top-1 routing.
@@ -172,12 +193,15 @@ class FP4KernelExperts:
             routing = align_only(flat.unsqueeze(1), e, gu.block_m)
         h_sorted = moe_gate_up(xq.to(torch.bfloat16), w13, routing, gu)
         sid = routing.sorted_ids.long()                                  # assignment per sorted row (pad = n)
-        h = torch.zeros((n + 1, f), dtype=h_sorted.dtype, device=h_sorted.device)
-        h.index_copy_(0, sid, h_sorted)                                  # pads all land in the dump row n
-        # Megatron scales the SwiGLU output by the router probability before fc2 (rounded to the model dtype)
-        h = (h[:n].float() * probs.reshape(-1, 1).float()).to(dtype)
+        # every assignment < n is in sorted_ids once, so index_copy_ writes all of h[:n] (no zero fill needed);
+        # the pads all land in the dump row n
+        h = torch.empty((n + 1, f), dtype=h_sorted.dtype, device=h_sorted.device)
+        h.index_copy_(0, sid, h_sorted)
+        # Megatron scales the SwiGLU output by the router probability before fc2 (rounded to the model dtype);
+        # the float32 product upcasts h inside the multiply: h.float() * p, without a copy of its own
+        h = (h[:n] * probs.reshape(-1, 1).float()).to(dtype)
         hq, cap2 = self._quantize(h, flat, e)
-        hq = torch.cat([hq.to(torch.bfloat16), hq.new_zeros((1, f), dtype=torch.bfloat16)])
+        hq = torch.cat([hq.to(torch.bfloat16), self._zero_row])
         y = moe_down(hq[sid], w2, routing, torch.ones(n, dtype=torch.float32, device=hq.device), dn)
         out = y.view(B, k, -1).to(dtype)                                 # slot outputs, summed by the step
         if cap1 is None:

@@ -36,12 +36,15 @@ class DenseFP4Linear:
         # nvfp4_global_scale's divisor, made once: a tensor built inside a CUDA graph capture would be a
         # host->device copy, and dividing by a Python scalar may round differently on CUDA (its docstring)
         self._divisor = torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=lin.weight.device)
+        # 0 and 1 for torch.where, made once: a Python scalar or ones_like fills a fresh device tensor per call
+        self._zero = torch.zeros((), dtype=torch.float32, device=lin.weight.device)
+        self._one = torch.ones((), dtype=torch.float32, device=lin.weight.device)
 
     def __call__(self, x: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, Optional[dict]]:
         """x [B, K], active bool [B] -> (y [B, N], capture {bits, scales, global_scale, codes} or None)."""
         cap = None
         if self.w4a4:
-            x = torch.where(active[:, None], x, torch.zeros_like(x))
+            x = torch.where(active[:, None], x, self._zero)       # keeps x's dtype
             gs = self._global_scale(x) if self.format.has_global_scale else None
             # the format object picks the codec as the eager hook does; on the kernel path the Triton
             # fake-quant (+ capture) kernel, byte-identical to the torch codec
@@ -62,7 +65,7 @@ class DenseFP4Linear:
     def _global_scale(self, x: torch.Tensor) -> torch.Tensor:
         """`nvfp4_global_scale(x)` (the eager hook's rule, the same operations) without a new device tensor."""
         amax = x.abs().amax().float()
-        return torch.where(amax > 0, amax, torch.ones_like(amax)) / self._divisor
+        return torch.where(amax > 0, amax, self._one) / self._divisor
 
 
 def dense_fp4_linears(engine) -> dict:

@@ -134,8 +134,7 @@ class DecodeState:
         """Move rows order[j] to j for j < count (compaction); the other rows become free."""
         for t in (self.tokens, self.positions, self.n_gen, self.keys, self.slots, self.seq, self.active,
                   self.reason):
-            moved = t[order]
-            t[:count] = moved
+            t[:count] = t[order[:count]]
         self.seq[count:] = -1
         self.active[count:] = False
         self.slots[count:] = self.scratch
@@ -323,6 +322,7 @@ class GraphDecodeLoop:
             raise ValueError(f"the graph decode path supports up to {st.max_stops} stop tokens, got "
                              f"{len(sampling.stop_token_ids)}; use rollout.decode=eager")
         S, N = len(prompts), sampling.max_new_tokens
+        self.model.refresh_weights()                   # weights may have been updated (in place) since the last call
         out = CallOutputs(S, N, self.shapes, dev)
         st.max_new.fill_(N)
         st.stop_ids.fill_(-1)

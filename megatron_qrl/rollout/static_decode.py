@@ -16,7 +16,12 @@ depends on data. What it reuses and what it replaces (DESIGN.md "GPU execution")
   the K/V cache write in one launch (bf16 cache; a packed cache takes the roped K and raw V through a
   per-step staging buffer, then one quantize-write launch, kernels/kv_quant_write.py). The norms' weights
   and AQN noise are read from the modules at every call, so in-place updates and fresh AQN draws reach
-  captured graphs.
+  captured graphs. The pre-MLP norm of an MoE layer also writes the router's input in the router dtype and
+  the grouped expert kernels' fp16 operand, so neither needs a conversion launch.
+- per-layer launches that only move data are gone (a graph step is bound by the gaps between launches,
+  not by bytes; tools/count_decode_launches.py lists them): the routing kernel writes each layer's R3 ids
+  into the step's int16 record, and the router GEMM reads a weight kept in the router dtype (Megatron's
+  gating casts the whole weight at every call), refreshed in place at every generate call.
 The eager engine's Megatron forward stays the reference; tests/test_rollout_static.py checks tokens,
 log-probs, routed experts and TRACE captures against it.
 
@@ -84,7 +89,7 @@ class DecodeModel:
             raise ValueError("the static decode step needs a KV cache with a scratch slot (KVCache(scratch=True))")
         self.model, self.cache, self.experts = model, cache, experts
         self.linears = linears or {}             # FP4 attention linear -> its runner (decode_linears.py)
-        self._active, self._records = None, None   # of the step being run (set by forward)
+        self._active, self._records, self._rows = None, None, None   # of the step being run (set by forward)
         self.kernel_attention = kernel_attention
         mc = model.config
         self.config = mc
@@ -96,6 +101,9 @@ class DecodeModel:
         self.scales = [softmax_scale_of(layer.self_attention.core_attention, self.head_dim) for layer in self.layers]
         self.rope = model.rotary_pos_emb(cache.max_len)                    # [max_len, 1, 1, rot_dim] float32
         self.moe = [isinstance(layer.mlp, MoELayer) for layer in self.layers]
+        self.moe_index = {i: j for j, i in enumerate(i for i, m in enumerate(self.moe) if m)}   # layer -> R3 column
+        self.dtype = model.embedding.word_embeddings.weight.dtype
+        self.router_weights = {i: self._router_weight(self.layers[i].mlp.router) for i in self.moe_index}
         self.fused_norms, self.fused_qkv = self._fusable() if kernel_attention else (False, False)
         if self.fused_norms or self.fused_qkv:
             from megatron_qrl.kernels import decode_fused
@@ -118,6 +126,35 @@ class DecodeModel:
                      and not getattr(self.config, "multi_latent_attention", False))
         return fused_norms, fused_qkv
 
+    def _router_dtype(self) -> torch.dtype:
+        """The dtype of Megatron's router GEMM (Router.gating): moe_router_dtype, else the input's."""
+        return {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, self.dtype)
+
+    def _router_weight(self, router) -> Optional[torch.Tensor]:
+        """The router weight in the router dtype, for the step to compute the logits itself (None: it calls
+        router.gating). Without Transformer Engine, Megatron's gating (router_gating_linear) casts the input
+        and the whole weight to the router dtype at every call and then runs one mm: two cast launches and
+        E*H*4 bytes per layer and step under moe_router_dtype=fp32. The step casts the weight once (a copy,
+        refreshed by `refresh_weights` at every generate call; the parameter itself when no cast is needed)
+        and runs the same mm on the same values, so the logits are the same bits."""
+        from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer.moe.router import Router
+
+        dtype = self._router_dtype()
+        if (type(router).gating is not Router.gating or router.bias is not None
+                or (moe_utils.te_general_gemm is not None and dtype != torch.float64)):
+            return None
+        w = router.weight
+        return w if w.dtype == dtype else w.detach().to(dtype)
+
+    def refresh_weights(self) -> None:
+        """Copy the router weights into the step's cast copies, in place (captured graphs read them): weight
+        updates write the parameters in place, so this runs before every generate call."""
+        for i, w in self.router_weights.items():
+            param = self.layers[i].mlp.router.weight
+            if w is not None and w is not param:
+                w.copy_(param.detach())
+
     def output_weight(self) -> torch.Tensor:
         m = self.model
         return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
@@ -130,7 +167,12 @@ class DecodeModel:
         float32 (an exact conversion), so no [B, V] float32 copy is made (55 us per step at B = 256 on an H200)."""
         records = StepRecords()
         self._active, self._records = active, records
-        routed = []
+        B = tokens.shape[0]
+        # the R3 record [B, num_moe_layers, k]: each MoE layer's routing writes its column (no cast, no stack)
+        routed = (torch.empty((B, len(self.moe_index), self.config.moe_router_topk), dtype=torch.int16,
+                              device=tokens.device) if self.moe_index else None)
+        # packed cache: the staging rows of the fused QK-norm/RoPE write (_kv_destination), one arange per step
+        self._rows = torch.arange(B, device=tokens.device) if self.fused_qkv and self.cache.packed else None
         emb = self.model.embedding.word_embeddings.weight
         if self.fused_norms:
             first = self.layers[0].input_layernorm
@@ -146,19 +188,18 @@ class DecodeModel:
                 x, h = self._add_norm(layer.input_layernorm, h, delta)
             q = self._attention_input(i, att, x, positions, slots, freqs)
             o = self._attend(i, q, slots, lens, positions)
-            x, h = self._add_norm(layer.pre_mlp_layernorm, h, self._linear(att.linear_proj, o))
+            extra = self._moe_inputs(i, h)
+            x, h = self._add_norm(layer.pre_mlp_layernorm, h, self._linear(att.linear_proj, o), *extra)
             if self.moe[i]:
-                delta, ids, cap = self._moe(i, layer.mlp, x, active)
-                routed.append(ids.to(torch.int16))
+                delta, cap = self._moe(i, layer.mlp, x, active, routed[:, self.moe_index[i]], *extra)
                 if cap is not None:
                     records.trace.setdefault(layer.layer_number - 1, {}).update(cap)
             else:
                 delta, _ = layer.mlp(x)
         x, _ = self._add_norm(self.final_norm, h, delta)
         logits = F.linear(x, self.output_weight())
-        if routed:
-            records.routed = torch.stack(routed, dim=1)
-        self._active = self._records = None
+        records.routed = routed
+        self._active = self._records = self._rows = None
         return logits, records
 
     def _linear(self, lin, x: torch.Tensor) -> torch.Tensor:
@@ -171,14 +212,18 @@ class DecodeModel:
             self._records.trace.setdefault(run.site.layer, {})[run.site.role] = cap
         return y
 
-    def _add_norm(self, norm, h: torch.Tensor, delta: Optional[torch.Tensor]):
+    def _add_norm(self, norm, h: torch.Tensor, delta: Optional[torch.Tensor], wide: Optional[torch.Tensor] = None,
+                  f16_operand: Optional[torch.Tensor] = None):
         """(norm(h + delta), h + delta), or (norm(h), h) without delta: the residual add and the norm after it.
-        A delta [B, k, H] holds an MoE layer's slot outputs: their fp32 sum in slot order is the delta."""
+        A delta [B, k, H] holds an MoE layer's slot outputs: their fp32 sum in slot order is the delta.
+        wide / f16_operand (fused norms only, from _moe_inputs): the same launch also writes the normed rows
+        there (the router's input, the expert kernels' fp16 operand)."""
         if self.fused_norms:
             if delta is None:
-                return self._fused.add_rmsnorm(h, norm.weight, norm.aqn_noise, norm.eps)
+                return self._fused.add_rmsnorm(h, norm.weight, norm.aqn_noise, norm.eps, wide=wide,
+                                               f16_operand=f16_operand)
             return self._fused.add_rmsnorm(delta, norm.weight, norm.aqn_noise, norm.eps, residual=h,
-                                           slots=delta.dim() == 3)
+                                           slots=delta.dim() == 3, wide=wide, f16_operand=f16_operand)
         if delta is not None and delta.dim() == 3:
             from megatron_qrl.kernels.decode_fused import sum_slots   # grouped experts run on the kernel path
 
@@ -232,8 +277,7 @@ class DecodeModel:
         B = slots.shape[0]
         shape = (B, c.max_len, self.groups, self.head_dim)
         k = torch.empty((B, 1) + shape[2:], dtype=dtype, device=slots.device)
-        rows = torch.arange(B, device=slots.device)
-        return k.expand(shape), torch.empty_like(k).expand(shape), rows
+        return k.expand(shape), torch.empty_like(k).expand(shape), self._rows
 
     def _write_cache(self, layer: int, slots, positions, k, v) -> None:
         c = self.cache
@@ -264,23 +308,46 @@ class DecodeModel:
         keys, values = c.read(layer, slots, int(lens.max()))
         return attend(q, keys, values, batch, self.scales[layer])
 
-    def _moe(self, i: int, mlp, x: torch.Tensor, active: torch.Tensor):
+    def _moe_inputs(self, i: int, h: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Buffers like h [B, H] that the pre-MLP norm of layer i fills besides its output (fused norms, MoE
+        layers): the router's input in the router dtype when that is not the model's, and the grouped expert
+        kernels' fp16 operand when they convert their input. Each saves that conversion's launch (same values)."""
+        if not (self.fused_norms and self.moe[i]):
+            return None, None
+        w, takes = self.router_weights[i], getattr(self.experts[i], "takes_fp16_operand", None)
+        wide = torch.empty(h.shape, dtype=w.dtype, device=h.device) if w is not None and w.dtype != h.dtype else None
+        f16 = (torch.empty(h.shape, dtype=torch.float16, device=h.device)
+               if takes is not None and takes(h.shape[0] * self.layers[i].mlp.router.topk) else None)
+        return wide, f16
+
+    def _router_logits(self, i: int, router, x: torch.Tensor, x_router: Optional[torch.Tensor]) -> torch.Tensor:
+        """router.gating(x), bit for bit: with the weight kept in the router dtype (_router_weight) the same mm
+        on the same values (x_router: x already in that dtype, written by the norm)."""
+        w = self.router_weights[i]
+        if w is None:
+            return router.gating(x)
+        return torch.mm(x_router if x_router is not None else x.to(w.dtype), w.t())
+
+    def _moe(self, i: int, mlp, x: torch.Tensor, active: torch.Tensor, routed: torch.Tensor,
+             x_router: Optional[torch.Tensor] = None, x_operand: Optional[torch.Tensor] = None):
+        """The MoE block of layer i -> (expert output(s), TRACE capture or None); routed: int16 [B, k], the
+        layer's column of the step's R3 record, which gets the router's top-k ids."""
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
         r, mc = mlp.router, self.config
-        logits = r.gating(x)
+        logits = self._router_logits(i, r, x, x_router)
         experts = self.experts[i]
         if hasattr(experts, "route"):
-            # kernel experts: top-k, probabilities and their expert alignment in one or two launches
-            # (slots in descending score order; Megatron's top-k order is unspecified, the set is the same)
+            # kernel experts: top-k, probabilities and their expert alignment in two launches, the second also
+            # writing the R3 ids (slots in descending score order; Megatron's top-k order is unspecified, the
+            # set is the same)
             probs, ids, routing = experts.route(logits, r.topk, pre_softmax=mc.moe_router_pre_softmax,
-                                                scaling_factor=mc.moe_router_topk_scaling_factor)
-            y, cap = experts(x, ids, probs, active, routing=routing)
-            return y, ids, cap
+                                                scaling_factor=mc.moe_router_topk_scaling_factor, routed=routed)
+            return experts(x, ids, probs, active, routing=routing, x_operand=x_operand)
         probs, ids = topk_routing_with_score_function(
             logits, r.topk, use_pre_softmax=mc.moe_router_pre_softmax, num_groups=mc.moe_router_num_groups,
             group_topk=mc.moe_router_group_topk, scaling_factor=mc.moe_router_topk_scaling_factor,
             score_function=r.score_function, expert_bias=r.expert_bias, fused=mc.moe_router_fusion,
             dense_output=True)
-        y, cap = experts(x, ids, probs, active)
-        return y, ids, cap
+        routed.copy_(ids)
+        return experts(x, ids, probs, active)
