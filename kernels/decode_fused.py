@@ -125,9 +125,8 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: Optional[torch.Ten
     dtype) or None. slots: x is [R, k, N], the k expert slot outputs of residual's R rows, and the x above
     is their fp32 sum in slot order rounded to x's dtype. One launch; h is the new residual stream (x itself
     when there is neither a residual nor slots).
-    wide / f16_operand: contiguous tensors of y's shape that the same launch also fills, saving the
-    consumers' conversion launches: wide with y.to(wide.dtype) (a float dtype at least as wide as x's: the
-    router's fp32 input), f16_operand with moe_grouped_gemm.to_fp16_operand(y.to(torch.bfloat16)) (the
+    wide / f16_operand (bfloat16 x only): contiguous tensors of y's shape that the same launch also fills, saving
+    the consumers' conversion launches: wide with y.to(wide.dtype) (float32 / float64: the router's input), f16_operand with moe_grouped_gemm.to_fp16_operand(y.to(torch.bfloat16)) (the
     fp16 operand of the grouped expert kernels)."""
     n = x.shape[-1]
     _check_norm_params(weight, noise, n)
@@ -137,7 +136,12 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: Optional[torch.Ten
     if residual is not None and (residual.shape != rows_shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(rows_shape)} {x.dtype}")
-    wide_ok = (torch.float32, torch.float64) if x.dtype != torch.float64 else (torch.float64,)
+    if (wide is not None or f16_operand is not None) and x.dtype != torch.bfloat16:
+        # on the H200 the float32 variant with the extra stores compiled to a norm that sums differently
+        # (y off by an ulp against the plain launch); the bfloat16 one is bit-identical (GPU tests)
+        raise ValueError(f"wide / f16_operand need a bfloat16 x (the GPU-checked variant), got {x.dtype}; convert "
+                         "after the norm instead")
+    wide_ok = (torch.float32, torch.float64)
     for name, t, dtypes in (("wide", wide, wide_ok), ("f16_operand", f16_operand, (torch.float16,))):
         if t is not None and (t.shape != rows_shape or not t.is_contiguous() or t.dtype not in dtypes
                               or t.device != x.device):

@@ -312,8 +312,8 @@ class DecodeModel:
         """Buffers like h [B, H] that the pre-MLP norm of layer i fills besides its output (fused norms, MoE
         layers): the router's input in the router dtype when that is not the model's, and the grouped expert
         kernels' fp16 operand when they convert their input. Each saves that conversion's launch (same values)."""
-        if not (self.fused_norms and self.moe[i]):
-            return None, None
+        if not (self.fused_norms and self.moe[i]) or h.dtype != torch.bfloat16:
+            return None, None             # the norm writes the extra outputs for bfloat16 models only
         w, takes = self.router_weights[i], getattr(self.experts[i], "takes_fp16_operand", None)
         wide = torch.empty(h.shape, dtype=w.dtype, device=h.device) if w is not None and w.dtype != h.dtype else None
         f16 = (torch.empty(h.shape, dtype=torch.float16, device=h.device)
