@@ -143,11 +143,12 @@ class DecodeState:
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors on the host through one pinned device->host copy: each packed at a 16-byte aligned offset
     of one device staging buffer, then returned as views of the host buffer. With TRACE this is most of the
-    capture overhead: the copy lands in fresh host memory every call (the samples keep views of it); on the
-    H200 machine ~137 MB took ~70-100 ms that way (pinned, or pageable in a trial), against 54.6 GB/s
-    (pinned) / 14.5 GB/s (pageable) into reused memory -- most likely first-touch cost, not confirmed
-    (tools/profile_generate.py, docs/PERF.md 2026-12-02). Keeping the captures on the device for a
-    colocated trainer is the way out."""
+    capture overhead. The samples (and the engine's TRACE recorder, until its per-step seal) keep views of
+    the buffer, so its pinned block returns to torch's host allocator only when they are dropped; a caller
+    that keeps every call's records makes each copy land in fresh host memory (~137 MB in 70-100 ms on the
+    H200 machine, against 54.6 GB/s into reused pinned memory). Dropping the records per call as the loop
+    does took the generate-level TRACE + R3 cost at batch 64 from +71% to +15% (docs/PERF.md 2026-12-02,
+    second session); keeping the captures on the device for a colocated trainer would remove the rest."""
     if not tensors or tensors[0].device.type == "cpu":
         return [t.contiguous() for t in tensors]
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
