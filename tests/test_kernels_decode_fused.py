@@ -92,12 +92,14 @@ def test_add_rmsnorm_sums_expert_slots_in_fp32_slot_order(dtype, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
-@pytest.mark.parametrize("slots, hidden", [(0, 256), (4, 256), (8, 2048), (0, 4096)], ids=str)
+@pytest.mark.parametrize("slots, hidden", [(0, 256), (4, 256), (2, 1024), (8, 2048), (0, 4096), (8, 5120), (0, 7168)],
+                         ids=str)
 def test_add_rmsnorm_also_writes_the_consumers_conversions(dtype, slots, hidden):
     """wide / f16_operand: the same launch also writes y.to(wide.dtype) (the router's float32 input) and the
     grouped expert kernels' fp16 operand (moe_grouped_gemm.to_fp16_operand of y in bf16), which replace
     those conversion launches in the decode step; y and h stay bit for bit what they are without them (on a
-    GPU: the compiled variants must not sum differently; 2048 / 4096 are the bench models' widths)."""
+    GPU: the compiled variants must not sum differently; 2048 / 4096 are the bench models' widths, and the
+    widths together take each num_warps the launch picks, 1 to 16)."""
     from megatron_qrl.kernels.moe_grouped_gemm import to_fp16_operand
 
     g = _gen(20 + slots + hidden)
