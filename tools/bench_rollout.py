@@ -474,10 +474,10 @@ def run(a) -> dict:
             write_json(res, a.json)
         if a.overheads and layers == a.layers[0]:
             ps = prompts_for(a, vocab, a.overheads, g)
-            rate, step, phases = {}, {}, {}
+            rate, reps, step, phases = {}, {}, {}, {}
             for name in ("w4a4", "w4a4-trace"):
                 eng = build_engine(a, layers, name, a.overheads)
-                rate[name], _ = decode_rate(lambda p, n, eng=eng: time_engine(eng, p, n), ps, a)
+                rate[name], reps[name] = decode_rate(lambda p, n, eng=eng: time_engine(eng, p, n), ps, a)
                 step[name] = graph_step_ms(eng, a.overheads, a)
                 loop = eng._static_loop
                 phases[name] = ({k: round(v, 4) for k, v in loop.stats.items() if k.endswith("_s")}
@@ -487,6 +487,7 @@ def run(a) -> dict:
             # the generate-level slowdown splits into the captured step's (device) and the rest (host assembly)
             res["overheads"]["trace_r3_capture"] = {"batch": a.overheads, **rate,
                                                     "slowdown": rate["w4a4"] / rate["w4a4-trace"] - 1,
+                                                    "rates_per_rep": reps,   # the medians' spread
                                                     "step_ms": step,
                                                     "step_slowdown": step["w4a4-trace"] / step["w4a4"] - 1,
                                                     "phases_s": phases}
