@@ -26,9 +26,9 @@ import sys
 import weakref
 from collections import Counter
 
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, num_experts=4,
-            moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=128, vocab_size=64,
-            max_sequence_length=48, init_method_std=0.1)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_rollout_engine import TINY  # noqa: E402  (the tests' model: the counts describe what they check)
+
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 # the engine's own code: an op is attributed to the innermost frame in one of these files
 ENGINE_FILES = ("static_decode.py", "decode_experts.py", "decode_linears.py")
