@@ -226,7 +226,8 @@ class RolloutRecords:
 
     `add_step` only keeps references (no device work per engine step); `finish` scatters every step's
     capture records at once (`scatter_steps`), orders the rows by sequence (one gather on the device),
-    copies each tensor to the host once and splits it into per-sequence views.
+    copies the R3 ids to the host once and splits every tensor per sequence. The TRACE captures stay on
+    the engine's device: the recorder seals them there and the trainer replays them there.
     """
 
     def __init__(self, moe_layers: list[int], fmt: str, keep_codes: bool = False):
@@ -247,8 +248,8 @@ class RolloutRecords:
 
     def finish_blocks(self, keys: list[int], host: bool = True) -> tuple[Optional[torch.Tensor], dict, list[int]]:
         """(routed rows of all keys, [sum n, L, k] or None; trace {layer: {role: {field: rows}}}; rows per key),
-        rows in key order: one gather per tensor, then a device->host copy each (host=False: left where they
-        are, for a caller that gathers further on the device)."""
+        rows in key order: one gather per tensor on the device; the routed rows then come to the host
+        (host=False: left where they are, for a caller that gathers further on the device)."""
         routed_all = _cat(self.routed) if self.routed else None
         trace_all = {}
         if any(records for records, _ in self.captured):
@@ -264,15 +265,17 @@ class RolloutRecords:
             dtype, raw = full.dtype, _bytes_view(full)
             if not contiguous:
                 raw = raw.index_select(0, perm.to(raw.device))
-            return (raw.cpu() if host else raw).view(dtype)
+            return raw.view(dtype)
 
         trace = {layer: {role: {attr: ordered(getattr(cap, attr)) for attr in ("bits", "scales", "global_scale", "codes")
                                 if getattr(cap, attr) is not None}
                          for role, cap in roles.items()} for layer, roles in trace_all.items()}
-        return (ordered(routed_all) if routed_all is not None else None), trace, sizes
+        routed = ordered(routed_all) if routed_all is not None else None
+        return (routed.cpu() if host and routed is not None else routed), trace, sizes
 
     def finish(self, keys: list[int]) -> tuple[dict, dict]:
-        """(routed per key: host [n, L, k] or None, trace per key: {layer: {role: host ActivationCapture}})."""
+        """(routed per key: host [n, L, k] or None, trace per key: {layer: {role: ActivationCapture on the
+        engine's device}})."""
         routed_all, trace_all, sizes = self.finish_blocks(keys)
 
         def split(full: torch.Tensor) -> list[torch.Tensor]:

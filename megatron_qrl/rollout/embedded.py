@@ -272,7 +272,7 @@ class EmbeddedEngine:
             self.stats["generated_tokens"] += len(rows)
 
     def _collect(self, seqs: list[Sequence], records: RolloutRecords) -> None:
-        """Per-sequence R3 ids and TRACE captures of the whole call: one device->host copy per tensor."""
+        """Per-sequence R3 ids (host) and TRACE captures (left on the engine's device) of the whole call."""
         routed, trace = records.finish([s.index for s in seqs])
         for s in seqs:
             s.routed = [routed[s.index]] if routed[s.index] is not None else []

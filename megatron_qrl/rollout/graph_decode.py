@@ -142,13 +142,9 @@ class DecodeState:
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors on the host through one pinned device->host copy: each packed at a 16-byte aligned offset
-    of one device staging buffer, then returned as views of the host buffer. With TRACE this is most of the
-    capture overhead. The samples (and the engine's TRACE recorder, until its per-step seal) keep views of
-    the buffer, so its pinned block returns to torch's host allocator only when they are dropped; a caller
-    that keeps every call's records makes each copy land in fresh host memory (~137 MB in 70-100 ms on the
-    H200 machine, against 54.6 GB/s into reused pinned memory). Dropping the records per call as the loop
-    does took the generate-level TRACE + R3 cost at batch 64 from +71% to +15% (docs/PERF.md 2026-12-02,
-    second session); keeping the captures on the device for a colocated trainer would remove the rest."""
+    of one device staging buffer, then returned as views of the host buffer (tokens, log-probs and R3 ids:
+    a few MB per call). The TRACE captures used to travel here too (~137 MB per call at batch 64, 4 layers:
+    +15% on generate() even into reused memory, docs/PERF.md); they stay on the device now."""
     if not tensors or tensors[0].device.type == "cpu":
         return [t.contiguous() for t in tensors]
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
@@ -458,8 +454,9 @@ class GraphDecodeLoop:
     def _samples(self, prompts, out: CallOutputs, finished, records: RolloutRecords,
                  sampling: SamplingParams) -> list[RolloutSample]:
         """Each sequence's prefill rows (eager records) then its decode rows: per tensor one gather on the
-        device, then ONE device->host copy of everything (pinned) and views per sequence (the samples of one
-        call share each tensor's storage). Row-by-row host work here was most of TRACE's capture cost."""
+        device. Tokens, log-probs and R3 ids come to the host in ONE pinned copy; the TRACE captures stay on
+        the device (per-sequence views of one gathered tensor per field): the recorder seals them there and
+        the trainer replays them there, so the bulk of the capture never crosses PCIe (docs/trace.md)."""
         eng, S, dev = self.engine, len(prompts), self.engine.device
         t0 = time.perf_counter()
         routed_pre, trace_pre, pre_rows = records.finish_blocks(list(range(S)), host=False)
@@ -470,31 +467,29 @@ class GraphDecodeLoop:
         order = torch.cat([torch.cat([torch.arange(p0, p0 + p), sum(pre_rows) + s * out.N + torch.arange(d)])
                            for s, (p0, p, d) in enumerate(zip(pre_start.tolist(), pre_rows, dec_rows))]).to(dev)
         per_seq = [p + d for p, d in zip(pre_rows, dec_rows)]
-        gathered: list[torch.Tensor] = []          # device tensors that come to the host together
 
-        def rows(pre: torch.Tensor, dec: Optional[torch.Tensor]) -> int:
+        def rows(pre: torch.Tensor, dec: Optional[torch.Tensor]) -> torch.Tensor:
             pre = _bytes(pre).to(dev)
             dec = (torch.zeros((S * out.N, *pre.shape[1:]), dtype=pre.dtype, device=dev) if dec is None
                    else _bytes(dec[:S]).reshape(S * out.N, *pre.shape[1:]))
-            gathered.append(torch.cat([pre, dec]).index_select(0, order))
-            return len(gathered) - 1
+            return torch.cat([pre, dec]).index_select(0, order)
 
-        routed_at = rows(routed_pre, out.routed) if routed_pre is not None and out.routed is not None else None
-        trace_at = {layer: {role: {name: (rows(t, out.trace.get(layer, {}).get(role, {}).get(name)), t.dtype)
-                                   for name, t in fields.items()}
-                            for role, fields in roles.items()} for layer, roles in trace_pre.items()}
-        tokens_at, logp_at = len(gathered), len(gathered) + 1
-        gathered += [out.tokens[:S], out.logp[:S]]
+        def split(t: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+            return [part.view(dtype) for part in torch.split(t, per_seq)]
+
+        to_host = [out.tokens[:S], out.logp[:S]]
+        if routed_pre is not None and out.routed is not None:
+            to_host.append(rows(routed_pre, out.routed))
         t0 = time.perf_counter()
-        host = _to_host(gathered)
+        host = _to_host(to_host)
         self.stats["assemble_copy_s"] += time.perf_counter() - t0
-        tokens, logp = host[tokens_at], host[logp_at]
-        split = lambda i, dtype: [t.view(dtype) for t in torch.split(host[i], per_seq)]   # noqa: E731
-        routed = split(routed_at, routed_pre.dtype) if routed_at is not None else [None] * S
+        tokens, logp = host[0], host[1]
+        routed = split(host[2], routed_pre.dtype) if len(host) > 2 else [None] * S
         caps: list[dict] = [{} for _ in range(S)]
-        for layer, roles in trace_at.items():
+        for layer, roles in trace_pre.items():
             for role, fields in roles.items():
-                parts = {name: split(i, dtype) for name, (i, dtype) in fields.items()}
+                parts = {name: split(rows(t, out.trace.get(layer, {}).get(role, {}).get(name)), t.dtype)
+                         for name, t in fields.items()}
                 for s in range(S):
                     caps[s].setdefault(layer, {})[role] = ActivationCapture(
                         eng.format, parts["bits"][s], parts["scales"][s],

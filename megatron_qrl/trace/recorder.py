@@ -87,9 +87,8 @@ class TraceRecorder:
         self.version = version
 
     def clear(self) -> None:
-        """Drop every kept record (what each seal does): the host memory they hold goes back to the
-        allocator, so the next generate call's captures land in reused memory (a benchmark that never seals
-        calls this between calls, as the loop's per-step seal does)."""
+        """Drop every kept record (what each seal does): the (device) memory they hold goes back to the
+        allocator (a benchmark that never seals calls this between calls, as the loop's per-step seal does)."""
         self._kept.clear()
 
     def keep(self, samples: list, first_index: int) -> list:
