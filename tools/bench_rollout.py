@@ -216,6 +216,21 @@ def time_hf(model, prompts, n_new):
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
+def time_seal(engine, prompts, n_new) -> dict:
+    """What the loop pays after a generate call with TRACE: sealing its captures into the cache (build, sort,
+    checksum), where they are (the engine's device)."""
+    from megatron_qrl.rollout.protocol import SamplingParams
+
+    engine.trace_recorder.clear()
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=n_new, seed=0))  # keeps them
+    _sync()
+    t0 = time.perf_counter()
+    cache = engine.trace_recorder.seal(range(len(out)), step=0)
+    _sync()
+    return {"seal_s": round(time.perf_counter() - t0, 4), "cache_mb": round(cache.nbytes / 2**20, 1),
+            "cache_device": str(cache.device), "entries": len(cache.entries)}
+
+
 def decode_rate(timer, prompts, a):
     """(decode tokens/s median, per-rep rates)."""
     b = len(prompts)
@@ -326,11 +341,36 @@ def profile_step(engine, batch: int, a, steps: int = 8) -> dict:
             result = {"source": mode, "batch": batch, "kernel_us_per_step": sum(us for us, _ in kernels.values()),
                       "launches_per_step": sum(c for _, c in kernels.values()),
                       "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
-                      "top": [(n[:90], round(us, 1), round(c, 1)) for n, (us, c) in top]}
+                      "top": [(n[:90], round(us, 1), round(c, 1)) for n, (us, c) in top],
+                      "gaps": launch_gaps(prof, steps)}
             break
     st.restore(saved)
     st.active[:batch] = False
     return result
+
+
+def launch_gaps(prof, steps: int, top: int = 12) -> dict:
+    """Idle device time between consecutive kernels of the profiled replays, charged to the kernel that
+    starts after the gap (and to the one before it): where a step's time goes when its kernels are not busy."""
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
+                      and not e.name.startswith("cuda")), key=lambda k: k[0])
+    if len(kernels) < 2:
+        return {}
+    before: dict = {}
+    after: dict = {}
+    total = 0.0
+    for (_, end0, name0), (start1, _, name1) in zip(kernels, kernels[1:]):
+        gap = max(0.0, start1 - end0)
+        total += gap
+        for table, name in ((before, name1), (after, name0)):
+            us, n = table.get(name[:90], (0.0, 0))
+            table[name[:90]] = (us + gap, n + 1)
+    rank = lambda table: [(n, round(us / steps, 1), round(c / steps, 1), round(us / max(c, 1), 2))  # noqa: E731
+                          for n, (us, c) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {"span_us_per_step": (kernels[-1][1] - kernels[0][0]) / steps, "gap_us_per_step": total / steps,
+            "mean_gap_us": total / (len(kernels) - 1),
+            "before_kernel": rank(before), "after_kernel": rank(after)}
 
 
 def hbm_floor_ms(cfg, batch: int, context: float, fp4: bool, tbs: float) -> float:
@@ -474,7 +514,7 @@ def run(a) -> dict:
             write_json(res, a.json)
         if a.overheads and layers == a.layers[0]:
             ps = prompts_for(a, vocab, a.overheads, g)
-            rate, reps, step, phases = {}, {}, {}, {}
+            rate, reps, step, phases, seal = {}, {}, {}, {}, {}
             for name in ("w4a4", "w4a4-trace"):
                 eng = build_engine(a, layers, name, a.overheads)
                 rate[name], reps[name] = decode_rate(lambda p, n, eng=eng: time_engine(eng, p, n), ps, a)
@@ -482,6 +522,8 @@ def run(a) -> dict:
                 loop = eng._static_loop
                 phases[name] = ({k: round(v, 4) for k, v in loop.stats.items() if k.endswith("_s")}
                                 if loop is not None else None)
+                if name == "w4a4-trace":
+                    seal[name] = time_seal(eng, ps, a.new_tokens)
                 free(eng)
                 eng = None
             # the generate-level slowdown splits into the captured step's (device) and the rest (host assembly)
@@ -490,7 +532,7 @@ def run(a) -> dict:
                                                     "rates_per_rep": reps,   # the medians' spread
                                                     "step_ms": step,
                                                     "step_slowdown": step["w4a4-trace"] / step["w4a4"] - 1,
-                                                    "phases_s": phases}
+                                                    "phases_s": phases, "seal": seal}
             print(f"[bench] overheads {res['overheads']}", file=sys.stderr, flush=True)
             write_json(res, a.json)
         if a.check and layers == a.layers[0]:
@@ -543,6 +585,12 @@ def table(res: dict) -> str:
                           "| part | us/step | share of kernel time |", "|---|---|---|"]
                 lines += [f"| {p} | {us:.1f} | {us / prof['kernel_us_per_step']:.0%} |" for p, us in prof["parts_us"].items()]
                 lines += ["top kernels (us/step, launches/step): " + "; ".join(f"{n[:60]} {us} x{c}" for n, us, c in prof["top"][:15])]
+                gaps = prof.get("gaps") or {}
+                if gaps:
+                    lines += [f"idle between kernels: {gaps['gap_us_per_step']:.0f} us/step of a "
+                              f"{gaps['span_us_per_step']:.0f} us span (mean gap {gaps['mean_gap_us']:.2f} us); "
+                              "before (us/step, gaps/step, mean us): " + "; ".join(
+                                  f"{n[:50]} {us} x{c} ({m})" for n, us, c, m in gaps["before_kernel"][:8])]
     if res.get("health"):
         lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
     if res.get("failed"):

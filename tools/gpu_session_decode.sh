@@ -7,7 +7,8 @@
 #   roll48    48 layers, FP4 vs BF16, in a process of its own (memory)
 #   kv        long prompts: FP4 weights with a bf16 / packed FP8 / packed NVFP4 KV cache
 #   probe     host<->device copy rates (what the TRACE capture assembly pays per byte on this machine)
-#   overheads the TRACE + R3 capture and sampling overheads alone (batch 64)
+#   overheads the TRACE + R3 capture and sampling overheads alone (batch 64, OVER_REPS reps)
+#   launch    what a kernel boundary costs inside a CUDA graph (tools/probe_graph_launch.py: plain, PDL, cuBLAS)
 #   loop      the RL loop of configs/single_h200.yaml (tools/gpu_train_single.sh; STEPS, TRAIN_TIMEOUT)
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
@@ -39,7 +40,7 @@ if part kv; then
 fi
 if part overheads; then
   OUT=$O/over BENCH_TIMEOUT="${T_OVER:-110}" bash tools/gpu_rollout.sh --layers 4 --batches 64 --engines fp4 \
-    --overheads 64 --reps 2 | grep "^overheads\|^| 64\|exit code"
+    --overheads 64 --reps "${OVER_REPS:-5}" | grep "^overheads\|^| 64\|exit code"
 fi
 if part probe; then
   timeout 60 python3 - <<'PY' 2>&1 | tee "$O/copy_probe.txt"
@@ -60,8 +61,11 @@ print(f"137 MiB: pinned alloc {t(lambda: torch.empty(n, dtype=torch.uint8, pin_m
       f"H2D from pinned {n / t(lambda: dev.copy_(pinned, non_blocking=True)) / 1e9:.1f} GB/s")
 PY
 fi
+if part launch; then
+  timeout "${T_LAUNCH:-90}" python3 tools/probe_graph_launch.py --out "$O/graph_launch.json" 2>&1 | tail -12
+fi
 if part loop; then
   OUT=$O/loop STEPS="${STEPS:-8}" SFT=20 NEW=256 TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-250}" bash tools/gpu_train_single.sh | tail -14
 fi
-cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop tests_gpu.txt copy_probe.txt 2>/dev/null) \
+cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop tests_gpu.txt copy_probe.txt graph_launch.json 2>/dev/null) \
   && rm -rf roll4 roll48 kv over loop
