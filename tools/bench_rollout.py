@@ -315,14 +315,17 @@ def profile_step(engine, batch: int, a, steps: int = 8) -> dict:
         return {}
     loop, bucket, saved, params = rows
     st = loop.state
+    active = st.snapshot()        # the rows as graph_step_ms times them (own KV slots, their own tokens)
     steps = min(steps, a.new_tokens - 1)
     result = {}
     for mode in ("graph", "eager"):
         run = (lambda: loop.graphs.run(bucket, params)) if mode == "graph" else (lambda: loop._step(bucket, params))
         run()
         torch.cuda.synchronize()
-        st.restore(saved)
-        st.active[:batch] = True
+        # (before 2026-12-02 08:10 UTC this restored the state of before _active_rows and only re-set `active`:
+        # every row then wrote the scratch slot with the same stale token, so all rows routed to the same few
+        # experts and the 48-layer profile showed a step half as long as the timed one)
+        st.restore(active)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 run()
