@@ -8,6 +8,8 @@
 #   kv        long prompts: FP4 weights with a bf16 / packed FP8 / packed NVFP4 KV cache
 #   probe     host<->device copy rates (what the TRACE capture assembly pays per byte on this machine)
 #   overheads the TRACE + R3 capture and sampling overheads alone (batch 64, OVER_REPS reps)
+#   genprof   one generate() call at batch 64 profiled (tools/profile_generate.py), W4A4 without and with TRACE + R3,
+#             after unprofiled calls with their phase times
 #   launch    what a kernel boundary costs inside a CUDA graph (tools/probe_graph_launch.py: plain, PDL, cuBLAS)
 #   loop      the RL loop of configs/single_h200.yaml (tools/gpu_train_single.sh; STEPS, TRAIN_TIMEOUT)
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
@@ -61,11 +63,17 @@ print(f"137 MiB: pinned alloc {t(lambda: torch.empty(n, dtype=torch.uint8, pin_m
       f"H2D from pinned {n / t(lambda: dev.copy_(pinned, non_blocking=True)) / 1e9:.1f} GB/s")
 PY
 fi
+if part genprof; then
+  for e in w4a4 w4a4-trace; do
+    timeout "${T_GENPROF:-120}" python3 tools/profile_generate.py --engine $e --batch 64 --new-tokens 128 --rows 30 \
+      > "$O/genprof_$e.txt" 2>&1; echo "genprof $e rc=$?"; grep "^unprofiled\|^generate:" "$O/genprof_$e.txt"
+  done
+fi
 if part launch; then
   timeout "${T_LAUNCH:-90}" python3 tools/probe_graph_launch.py --out "$O/graph_launch.json" 2>&1 | tail -12
 fi
 if part loop; then
   OUT=$O/loop STEPS="${STEPS:-8}" SFT=20 NEW=256 TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-250}" bash tools/gpu_train_single.sh | tail -14
 fi
-cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop tests_gpu.txt copy_probe.txt graph_launch.json 2>/dev/null) \
+cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop tests_gpu.txt copy_probe.txt graph_launch.json genprof_*.txt 2>/dev/null) \
   && rm -rf roll4 roll48 kv over loop

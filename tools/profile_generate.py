@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--timed", type=int, default=5, help="unprofiled calls timed first (long and 1-token)")
     a = p.parse_args(argv)
     tiny = [] if torch.cuda.is_available() else ["--tiny"]          # CPU: the bench's smoke model, static step
     args = br._parse(["--layers", str(a.layers), "--batches", str(a.batch), "--new-tokens", str(a.new_tokens)] + tiny)
@@ -34,6 +35,12 @@ def main(argv=None) -> int:
     prompts = br.prompts_for(args, (br.TINY_SHAPE if tiny else br.QWEN3_30B_SHAPE)["vocab_size"], a.batch, torch.Generator().manual_seed(1))
     br.time_engine(eng, prompts, a.new_tokens)                      # warm-up: compiles, captures
     loop = eng._static_loop
+    for n_new in (a.new_tokens, 1):             # unprofiled calls: wall time and the loop's phases per call
+        before = dict(loop.stats)
+        times = [br.time_engine(eng, prompts, n_new)[0] for _ in range(a.timed)]
+        phases = {k: round((loop.stats[k] - before[k]) / a.timed * 1e3, 2) for k in loop.stats if k.endswith("_s")}
+        print(f"unprofiled, {n_new} new tokens: {' '.join(f'{t * 1e3:.1f}' for t in times)} ms per call; "
+              f"phases ms per call {phases}", flush=True)
     for k in loop.stats:
         loop.stats[k] = type(loop.stats[k])(0)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
