@@ -71,6 +71,9 @@ def _parse(argv):
     p.add_argument("--profile", default="", help="batches whose captured fp4/bf16 step is profiled per kernel")
     p.add_argument("--hbm-tbs", type=float, default=4.0, help="bandwidth of the HBM floor (TB/s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe-tokens-per-expert", type=float, default=0.0,
+                   help="experiment: the grouped-expert tile heuristic sees this many assignments per expert "
+                        "instead of the batch's average (0: off); tile choice under skewed routing")
     p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
                    help="quant.targets of the engines (all_linears: FP4 attention linears too)")
     p.add_argument("--json", default=None)
@@ -214,6 +217,39 @@ def time_hf(model, prompts, n_new):
                              eos_token_id=None)
     _sync()
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+
+def routing_stats(engine, prompts, a) -> dict:
+    """How the decode steps of one generate call routed (R3 ids): per step and MoE layer, the distinct experts
+    the batch touched and the heaviest expert's rows, averaged; `touched_vs_uniform` compares the touched count
+    with what uniform routing touches (the HBM floor's assumption). Random-weight deep models route skewed."""
+    import torch
+
+    from megatron_qrl.rollout.protocol import SamplingParams
+
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens, seed=0))
+    if getattr(engine, "trace_recorder", None) is not None:
+        engine.trace_recorder.clear()
+    if out[0].routed_experts is None:
+        return {}
+    p = a.prompt_len
+    steps = min(len(o.tokens) for o in out) - 1
+    if steps < 1:
+        return {}
+    ids = torch.stack([o.routed_experts[p:p + steps].to(torch.int64) for o in out])      # [B, steps, L, k]
+    b, _, layers, k = ids.shape
+    e = engine.cfg.model.num_experts
+    counts = torch.zeros(steps, layers, e, dtype=torch.int64)
+    counts.scatter_add_(2, ids.permute(1, 2, 0, 3).reshape(steps, layers, b * k), torch.ones(1, dtype=torch.int64)
+                        .expand(steps, layers, b * k))
+    touched = (counts > 0).sum(-1).double()            # [steps, L]
+    uniform = e * (1 - (1 - k / e) ** b)
+    per_layer = touched.mean(0)
+    return {"experts": e, "touched_mean": round(float(touched.mean()), 1), "uniform_touched": round(uniform, 1),
+            "touched_vs_uniform": round(float(touched.mean()) / uniform, 3),
+            "max_rows_mean": round(float(counts.max(-1).values.double().mean()), 1),
+            "touched_per_layer": [round(float(x), 1) for x in per_layer],
+            "max_rows_per_layer": [round(float(x), 1) for x in counts.max(-1).values.double().mean(0)]}
 
 
 def time_seal(engine, prompts, n_new) -> dict:
@@ -427,6 +463,18 @@ def check_pair(a, layers, engine, eager_engine, batch, vocab, g) -> dict:
     return res
 
 
+def force_moe_tile_class(per_expert: float) -> None:
+    """The --moe-tokens-per-expert experiment: every heuristic_moe_config call sees that load."""
+    from megatron_qrl.kernels import moe_grouped_gemm as moe
+
+    original = moe.heuristic_moe_config
+
+    def forced(n_assign, num_experts, *args, **kw):
+        return original(max(1, int(per_expert * num_experts)), num_experts, *args, **kw)
+
+    moe.heuristic_moe_config = forced
+
+
 def run(a) -> dict:
     import torch
 
@@ -436,7 +484,10 @@ def run(a) -> dict:
         raise SystemExit("--tiny runs on the CPU: hide the GPU (CUDA_VISIBLE_DEVICES=)")
     base = make_cfg(a, a.layers[0], "bf16", max(a.batches))
     init_distributed(base)
+    if a.moe_tokens_per_expert:
+        force_moe_tile_class(a.moe_tokens_per_expert)
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+           "moe_tokens_per_expert": a.moe_tokens_per_expert,
            "layers": a.layers, "batches": a.batches, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
            "reps": a.reps, "tiny": a.tiny, "targets": a.targets, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {},
            "floor_ms": {}, "checks": {}, "overheads": {}, "decode": {}}
@@ -474,6 +525,9 @@ def run(a) -> dict:
                 if eng.decode_mode == "graphs":
                     res.setdefault("graph_step_ms", {}).setdefault(key, {}).setdefault(name, {})[b] = \
                         graph_step_ms(eng, b, a)
+                if name in ("fp4", "bf16") and eng.decode_mode != "eager":
+                    res.setdefault("routing", {}).setdefault(key, {}).setdefault(name, {})[b] = \
+                        routing_stats(eng, ps, a)
                 if b in a.profile and eng.decode_mode == "graphs":
                     try:
                         prof = profile_step(eng, b, a)
@@ -594,6 +648,11 @@ def table(res: dict) -> str:
                               f"{gaps['span_us_per_step']:.0f} us span (mean gap {gaps['mean_gap_us']:.2f} us); "
                               "before (us/step, gaps/step, mean us): " + "; ".join(
                                   f"{n[:50]} {us} x{c} ({m})" for n, us, c, m in gaps["before_kernel"][:8])]
+    for layers, engines in res.get("routing", {}).items():
+        for name, by_batch in engines.items():
+            lines += [f"routing, {layers} layers, {name}, B={b}: {st.get('touched_mean')} of {st.get('experts')} experts "
+                      f"touched per layer and step (uniform routing: {st.get('uniform_touched')}), heaviest expert "
+                      f"{st.get('max_rows_mean')} rows" for b, st in by_batch.items() if st]
     if res.get("health"):
         lines += ["", "graphs: " + "; ".join(f"{k}: {v}" for k, v in res["health"].items())]
     if res.get("failed"):
