@@ -35,6 +35,9 @@ from .w4a16_gemm import INTERPRET
 
 # programs per launch at most (decode batches get one per BLOCK_T rows; prefill-sized ones loop inside)
 MAX_PROGRAMS = 128
+# launch shape of the two kernels on a GPU (tools/bench_routing.py sweeps them): warps per program of each
+# launch, and rows per program (None: t / 8, at least 2, at most 16)
+TUNING = {"count_warps": 4, "scatter_warps": 4, "rows_per_program": None}
 # elements of the [rows, experts] register tiles (one-hot and logits tiles of one loop iteration); the CPU
 # interpreter pays per operation, not per element, so it takes larger tiles (same code, fewer iterations)
 _TILE = 32768 if INTERPRET else 4096
@@ -179,7 +182,7 @@ def _route(logits, ids, probs, t: int, k: int, e: int, block_m: int, pre_softmax
     # rows per program on a GPU: t / 8 (at least 2, at most 16), so that even a small batch spreads its sort
     # and block table over 8 programs (one program for 16 rows cost 8 + 21 us at 16 rows on an H200); the
     # interpreter pays per program, so it takes whole tiles
-    block_t = (_tile_rows(e_pad, t) if INTERPRET else
+    block_t = (_tile_rows(e_pad, t) if INTERPRET else TUNING["rows_per_program"] or
                min(triton.next_power_of_2(max(2, triton.cdiv(t, 8))), 16, max(2, _TILE // e_pad)))
     # rows per program: a multiple of block_t giving at most MAX_PROGRAMS programs
     rows_per_prog = block_t * triton.cdiv(triton.cdiv(t, MAX_PROGRAMS), block_t)
@@ -192,13 +195,14 @@ def _route(logits, ids, probs, t: int, k: int, e: int, block_m: int, pre_softmax
         logits if topk else ids, logits.stride(0) if topk else 0, probs if topk else ids, ids, hist, t, e,
         rows_per_prog, float(scaling_factor) if scaling_factor else 1.0,
         TOP_K=k, K_PAD=k_pad, BLOCK_T=block_t, E_PAD=e_pad, PRE_SOFTMAX=pre_softmax,
-        HAS_SCALE=bool(scaling_factor), RNE=INTERPRET, TOPK=topk, num_warps=4)
+        HAS_SCALE=bool(scaling_factor), RNE=INTERPRET, TOPK=topk, num_warps=TUNING["count_warps"])
     per = rows_per_prog * k
     _route_scatter_kernel[(progs,)](
         ids, hist, n, e, sorted_ids, block_expert, nb, progs, per, routed if routed is not None else ids,
         routed.stride(0) if routed is not None else 0, k,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_tile_rows(e_pad, per), P_CHUNK=_tile_rows(e_pad, progs),
-        BLOCK_CHUNK=_tile_rows(e_pad, triton.cdiv(nb, progs)), ROUTED=routed is not None, num_warps=4)
+        BLOCK_CHUNK=_tile_rows(e_pad, triton.cdiv(nb, progs)), ROUTED=routed is not None,
+        num_warps=TUNING["scatter_warps"])
     return MoERouting(sorted_ids, block_expert, nb, block_m, t, k)
 
 
