@@ -28,6 +28,13 @@ def run_layers(logits, routed):
     return outs
 
 
+def compare(outs, ref, routed, ref_routed) -> dict:
+    ints = all(torch.equal(o[i], r[i]) for o, r in zip(outs, ref) for i in (1, 2, 3)) and torch.equal(routed, ref_routed)
+    close = all(torch.allclose(o[0], r[0], rtol=1e-6, atol=0) for o, r in zip(outs, ref))
+    bitwise = all(torch.equal(o[0], r[0]) for o, r in zip(outs, ref))
+    return {"same": ints and close, "ints_equal": ints, "probs_close": close, "probs_bitwise": bitwise}
+
+
 def us_per_layer(logits, routed, reps: int = 20) -> tuple[float, list]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -73,9 +80,7 @@ def main(argv=None) -> int:
             routed.zero_()
             try:
                 us, outs = us_per_layer(logits, routed)
-                same = all(torch.equal(x, y) for o, r in zip(outs, ref) for x, y in zip(o, r)) and \
-                    torch.equal(routed, ref_routed)
-                rows[f"{cw},{sw},{rp}"] = {"us_per_layer": round(us, 2), "same": same}
+                rows[f"{cw},{sw},{rp}"] = {"us_per_layer": round(us, 2), **compare(outs, ref, routed, ref_routed)}
             except Exception as e:  # noqa: BLE001 - e.g. a tile too large for a warp count: keep the sweep
                 rows[f"{cw},{sw},{rp}"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         decode_routing.TUNING.update(default)
@@ -83,7 +88,8 @@ def main(argv=None) -> int:
         best = min(ok, key=lambda k: ok[k]["us_per_layer"]) if ok else None
         res["batches"][t] = {"default_us_per_layer": round(base_us, 2), "best": best,
                              "best_us_per_layer": ok[best]["us_per_layer"] if best else None, "configs": rows}
-        bad = [k for k, v in rows.items() if not v.get("same")]
+        bad = [(k, {f: v.get(f) for f in ("ints_equal", "probs_close", "error") if f in v})
+               for k, v in rows.items() if not v.get("same")]
         print(f"[routing] T={t}: default {base_us:.2f} us/layer; best (count warps, scatter warps, rows/program) "
               f"{best}: {ok[best]['us_per_layer'] if best else '-'} us/layer; configs differing or failing: {bad}",
               flush=True)
