@@ -266,8 +266,10 @@ def test_builder_rejects_bad_rows():
         b.build()
     with pytest.raises(MisshapenCacheError, match="scales"):
         b.add_rows(0, "fc1", 2, 0, torch.arange(4), bits, scales[:, :1], gs)
+    nan = TraceCacheBuilder(0, 0)     # global scales are checked once per site at build (no sync per row set)
+    nan.add_rows(0, "fc1", 2, 0, torch.arange(4), bits, scales, torch.tensor(float("nan")))
     with pytest.raises(MisshapenCacheError, match="global scales"):
-        b.add_rows(0, "fc1", 2, 0, torch.arange(4), bits, scales, torch.tensor(float("nan")))
+        nan.build()
     with pytest.raises(MisshapenCacheError, match="routed_experts"):
         TraceCacheBuilder(0, 0).add_sample(0, {1: {"fc1": SimpleNamespace(
             format="nvfp4", bits=bits.reshape(2, 2, -1), scales=scales.reshape(2, 2, -1), global_scale=gs)}})
@@ -305,3 +307,30 @@ def test_micro_batch_guides_follow_megatron_row_order(ro, cache, tp_rank, sequen
     assert metrics.counters["guided_rows"] == int(real.sum()) + int(ok.sum())
     codes, _ = guided_codes(xe, guide)
     assert torch.equal(codes[ok], ce[ok])
+
+
+def test_build_orders_rows_and_tables_global_scales_per_entry():
+    """Rows of several steps per expert, each step with its own global scale: every entry holds its rows in
+    token order, its distinct scales ascending, and each row maps back to the scale it was added with."""
+    g = torch.Generator().manual_seed(3)
+    b = TraceCacheBuilder(0, 0)
+    added = {}                       # (expert, sample, position) -> (bits row, global scale)
+    for step in range(5):
+        experts = torch.randint(0, 4, (6,), generator=g)
+        x = torch.randn(6, 32, generator=g) * (step + 1)
+        _, scales, _, bits = nvfp4_quantize(x, capture=True)
+        gs = torch.rand(6, generator=g) + 0.5
+        gs[::2] = gs[0]                                      # repeats inside an entry
+        samples = torch.randperm(6, generator=g)               # one row per (sample, step)
+        b.add_rows(1, "fc1", experts, samples, torch.full((6,), step), bits, scales, gs)
+        for i in range(6):
+            added[(int(experts[i]), int(samples[i]), step)] = (bits[i], float(gs[i]))
+    cache = b.build()
+    samples, positions = cache.tokens()
+    for key, e in cache.entries.items():
+        toks = cache.rowset_tokens(e.rowset)
+        want = sorted(k for k in added if k[0] == key.expert)
+        assert [(key.expert, int(samples[t]), int(positions[t])) for t in toks] == want
+        assert torch.equal(e.bits, torch.stack([added[k][0] for k in want]))
+        assert torch.equal(e.gs_table, torch.unique(torch.tensor([added[k][1] for k in want])))
+        assert torch.equal(e.row_global_scales(), torch.tensor([added[k][1] for k in want]))
