@@ -92,6 +92,22 @@ def test_colocated_mode_slices_locally(cache):
     assert metrics.as_dict()["trace/cache_bytes"] == part.nbytes
 
 
+def test_select_returns_the_cache_itself_when_the_spec_keeps_everything(cache):
+    """One trainer rank (the single-GPU case) needs the whole cache: no rebuild, no re-hash."""
+    covering = dict(samples=range(10), expert_samples=range(6), experts=range(4), layers=(0, 4))
+    whole = [ShardSpec(), ShardSpec.for_rank(6), ShardSpec.for_rank(6, micro_batch_size=4, num_experts=4),
+             ShardSpec(**covering)]
+    for spec in whole:
+        assert spec.keeps_whole(cache) and select(cache, spec) is cache
+        assert local_shard(cache, spec) is cache
+    partial = [ShardSpec(**covering, tp_rank=1, tp_size=2),      # the row-parallel proj is K-sliced
+               ShardSpec(samples=[0, 1, 2]), ShardSpec(expert_samples=[5]), ShardSpec(layers=(0, 2)),
+               ShardSpec(experts=[1]), ShardSpec(etp_rank=0, etp_size=2)]
+    for spec in partial:
+        part = select(cache, spec)
+        assert not spec.keeps_whole(cache) and part is not cache and part.elements < cache.elements, spec
+        assert part.checksum == part.compute_checksum()
+
 
 def test_two_gloo_ranks_disaggregated_ep_and_tp():
     out = run_ranks(2, SCRIPT, timeout=180)

@@ -15,8 +15,8 @@ One more generate() per mode with synchronised timers splits the time into the m
 capture post-processing (`scatter_steps`, once per call at its end), the rest of the engine step, the
 rest of the end-of-call collection (one device->host copy per captured tensor, `_collect`) and the
 per-sequence assembly.
-Cache (from the 'half' / 'all' rollouts): TraceCacheBuilder.build (sort, dedup, CRC32), to_bytes
-(serialize), from_bytes(verify=True) (decode + CRC check, what a receiving rank does), and on CUDA the
+Cache (from the 'half' / 'all' rollouts): TraceCacheBuilder.build (sort, dedup, checksum), to_bytes
+(serialize), from_bytes(verify=True) (decode + checksum check, what a receiving rank does), and on CUDA the
 host->device copy of the serialized cache from pinned memory: each as a fraction of the rollout time.
 The model runs on cuda when torch sees a GPU (the project's build_model places it there); --device cpu
 hides the GPU. --json writes the numbers.
@@ -245,7 +245,7 @@ def table(res: dict) -> str:
              f"({res['engine_steps']} engine steps/generate), {res['rounds']} timed rounds; identical tokens "
              f"across modes: {res['identical_tokens']}",
              "", "| mode | rollout s (median) | capture overhead (median; min; CPU time) | cache MiB | bits/elem "
-             "| build s | serialize s | decode+CRC s | H2D s | (build+ser+decode+H2D) / rollout |",
+             "| build s | serialize s | decode+verify s | H2D s | (build+ser+decode+H2D) / rollout |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for m in modes:
         ovs = [res[k].get(m) for k in ("capture_overhead", "capture_overhead_min", "capture_overhead_cpu")]

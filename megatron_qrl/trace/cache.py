@@ -13,7 +13,8 @@ Structure (docs/trace.md has the byte layout):
   rows are the tokens of its row set in token order. Row sets are bit masks over the tokens, shared by
   entries with the same rows (fc1/fc2 of one expert), so row identity costs num_experts/top_k bits per
   routed row instead of two integers.
-- header: weight version, step, model/config fingerprint; a CRC32 checksum over everything.
+- header: weight version, step, model/config fingerprint; a checksum over the header and every section
+  (hashed where the bytes live: on the GPU for a GPU cache, serialize.compute_checksum).
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class TraceCache:
         self.token_runs = token_runs          # int32 [R, 3]: sample, first position, count
         self.rowsets = rowsets                # uint8 [S, ceil(n_tokens/8)]
         self.entries = dict(sorted(entries.items()))
-        self.checksum = checksum              # CRC32 of the serialized form (serialize.compute_checksum)
+        self.checksum = checksum              # u32 checksum of the serialized form (serialize.compute_checksum)
         self.verified = False                 # set when the checksum was checked against the content
         self._derived: dict = {}
 

@@ -2,8 +2,8 @@
 
     offset  size  field
     0       8     magic b"QRLTRACE"
-    8       4     format version, u32 little-endian
-    12      4     CRC32 of bytes [16, end), u32 LE
+    8       4     format version, u32 little-endian (2)
+    12      4     checksum, u32 LE (below)
     16      8     header length H, u64 LE
     24      H     header, UTF-8 JSON (sorted keys, no spaces)
     ...           zero padding to a multiple of 8, then the sections, each preceded by zero padding to a
@@ -14,22 +14,31 @@
 
 All multi-byte numbers are little-endian. Alignment lets a decoded cache be zero-copy dtype views into
 the received buffer on any device.
+
+Checksum (format 2): the little-endian u32 of blake2b (digest_size=4) over bytes [16, 24 + H) (header
+length and header) followed by the ASCII qh128 digest ('qh128:<32 hex>', quant/digest.py) of every
+section's bytes as a 1-D uint8 tensor, in layout order. The digests are computed where the sections live
+(one batched `tensor_digests` call: a Triton launch on CUDA), so sealing, slicing and verifying a GPU
+cache never copies it to the host. The padding is not hashed (the header fixes it); a verifying decoder
+requires it to be zero. Format 1 (CRC32 of bytes [16, end) on the host) is refused.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
-import zlib
 from typing import Iterator
 
 import torch
+
+from megatron_qrl.quant.digest import DEVICE_DIGEST, tensor_digests
 
 from .cache import BLOCK, FORMAT, EntryKey, TraceCache, TraceEntry
 from .errors import CorruptCacheError
 from .packing import index_width, packed_index_bytes
 
 MAGIC = b"QRLTRACE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PREFIX_BYTES = 24
 ALIGN = 8
 
@@ -86,14 +95,21 @@ def serialized_size(cache: TraceCache) -> int:
     return 16 + sum(pad + (p.numel() if torch.is_tensor(p) else len(p)) for pad, p in _pieces(cache))
 
 
+def _checksum(head: bytes, sections: list[torch.Tensor]) -> int:
+    """The format-2 checksum (module docstring) of the bytes [16, 24 + H) and the sections' uint8 bytes.
+
+    One tensor_digests call: a launch per device and one small host read, never a host copy of the sections.
+    """
+    h = hashlib.blake2b(head, digest_size=4)
+    for digest in tensor_digests(sections, DEVICE_DIGEST):
+        h.update(digest.encode())
+    return int.from_bytes(h.digest(), "little")
+
+
 def compute_checksum(cache: TraceCache) -> int:
-    """CRC32 of the serialized bytes [16, end) without building them (header + padding + sections)."""
-    crc = 0
-    for pad, piece in _pieces(cache):
-        if pad:
-            crc = zlib.crc32(bytes(pad), crc)
-        crc = zlib.crc32(piece.cpu().numpy() if torch.is_tensor(piece) else piece, crc)
-    return crc
+    """The checksum of the serialized form without building it (hashed where the sections live)."""
+    header = _header(cache)
+    return _checksum(struct.pack("<Q", len(header)) + header, [_as_bytes(t) for t in _sections(cache)])
 
 
 def to_bytes(cache: TraceCache, device=None, pin_memory: bool = False) -> torch.Tensor:
@@ -127,6 +143,15 @@ def _blob_tensor(blob) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
+def _version_problem(version: int) -> str:
+    if version == 1:
+        return ("TRACE cache format version 1 was written by an older build (a CRC32 checksum); this build "
+                f"reads version {FORMAT_VERSION} only: re-record the cache (an older run's caches, e.g. spilled "
+                "*.qrltrace files, cannot be read)")
+    return (f"TRACE cache format version {version}; this build reads version {FORMAT_VERSION} only (written by "
+            "another build, or corrupt)")
+
+
 def read_prefix(blob: torch.Tensor) -> tuple[int, int]:
     """(stored checksum, header length) after checking magic and format version."""
     if blob.numel() < PREFIX_BYTES:
@@ -137,7 +162,7 @@ def read_prefix(blob: torch.Tensor) -> tuple[int, int]:
         raise CorruptCacheError(f"not a TRACE cache: magic {prefix[:8]!r}, expected {MAGIC!r}")
     version, checksum = struct.unpack("<II", prefix[8:16])
     if version != FORMAT_VERSION:
-        raise CorruptCacheError(f"TRACE cache format version {version}; this build reads {FORMAT_VERSION}")
+        raise CorruptCacheError(_version_problem(version))
     (header_len,) = struct.unpack("<Q", prefix[16:24])
     return checksum, header_len
 
@@ -145,47 +170,74 @@ def read_prefix(blob: torch.Tensor) -> tuple[int, int]:
 def from_bytes(blob, verify: bool = True) -> TraceCache:
     """Decode a buffer from to_bytes (any device); the payload stays as views into it.
 
-    verify=True checks the CRC32 over the buffer and raises CorruptCacheError on a mismatch.
+    verify=True checks the checksum where the buffer lives (only the prefix and header are read to the host)
+    and that the padding is zero; CorruptCacheError on a mismatch.
     """
     blob = _blob_tensor(blob)
     checksum, header_len = read_prefix(blob)
     if PREFIX_BYTES + header_len > blob.numel():
         raise CorruptCacheError(f"TRACE cache truncated or corrupt: header of {header_len} bytes in a "
                                 f"{blob.numel()}-byte buffer")
-    if verify:
-        actual = zlib.crc32(blob[16:].cpu().numpy())
-        if actual != checksum:
-            raise CorruptCacheError(f"TRACE cache checksum mismatch: stored {checksum:08x}, content {actual:08x} "
-                                    "(corrupted in transit or on disk)")
+    head = bytes(blob[16:PREFIX_BYTES + header_len].cpu().numpy())   # the header length and the header
+    reader = _Reader(blob, PREFIX_BYTES + header_len)
     try:
-        head = json.loads(bytes(blob[PREFIX_BYTES:PREFIX_BYTES + header_len].cpu().numpy()).decode())
-        cache = _decode(blob, head, _align(PREFIX_BYTES + header_len))
+        cache = _decode(reader, json.loads(head[8:].decode()))
     except CorruptCacheError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:
         raise CorruptCacheError(f"TRACE cache header or layout is corrupt: {err}") from None
+    if verify:
+        actual = _checksum(head, reader.sections)
+        if actual != checksum:
+            raise CorruptCacheError(f"TRACE cache checksum mismatch: stored {checksum:08x}, content {actual:08x} "
+                                    "(corrupted in transit or on disk)")
+        reader.check_padding()
     cache.checksum = checksum
     cache.verified = verify
     return cache
 
 
-def _decode(blob: torch.Tensor, head: dict, at: int) -> TraceCache:
+class _Reader:
+    """Walks a buffer's sections in layout order, keeping each section's bytes (for the checksum) and where
+    the padding lies (a verifying decoder requires it zero: a to_bytes buffer is byte for byte reproducible)."""
+
+    def __init__(self, blob: torch.Tensor, at: int):
+        self.blob, self.at = blob, at
+        self.sections: list[torch.Tensor] = []
+        self.gaps: list[tuple[int, int]] = []
+
+    def take(self, dtype: torch.dtype, shape: tuple[int, ...], align: int = 0) -> torch.Tensor:
+        """The next section as a zero-copy view; `align` overrides its element size as the alignment."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        start = _align(self.at, align or size)
+        if start > self.at:
+            self.gaps.append((self.at, start))
+        n = torch.Size(shape).numel() * size
+        if min(shape, default=0) < 0 or start + n > self.blob.numel():
+            raise CorruptCacheError(f"TRACE cache truncated: a section of {n} bytes at offset {start} overruns the "
+                                    f"{self.blob.numel()}-byte buffer")
+        raw = self.blob[start:start + n]
+        self.sections.append(raw)
+        self.at = start + n
+        return raw.view(dtype).reshape(shape) if n else torch.zeros(shape, dtype=dtype, device=self.blob.device)
+
+    def check_padding(self) -> None:
+        """CorruptCacheError unless every padding byte is zero (one gather and one host read)."""
+        if not self.gaps:
+            return
+        starts = torch.tensor([a for a, _ in self.gaps], dtype=torch.int64)
+        lengths = torch.tensor([b - a for a, b in self.gaps], dtype=torch.int64)
+        first = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths)
+        where = first + torch.arange(first.numel(), dtype=torch.int64)
+        if bool(self.blob[where.to(self.blob.device)].any()):
+            raise CorruptCacheError("TRACE cache padding bytes are not zero (corrupted in transit or on disk)")
+
+
+def _decode(reader: _Reader, head: dict) -> TraceCache:
     if head["format"] != FORMAT or head["block"] != BLOCK:
         raise CorruptCacheError(f"TRACE cache format {head['format']}/{head['block']}, expected {FORMAT}/{BLOCK}")
-
-    def take(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        nonlocal at
-        size = torch.empty(0, dtype=dtype).element_size()
-        at = _align(at, size)
-        n = torch.Size(shape).numel() * size
-        if min(shape, default=0) < 0 or at + n > blob.numel():
-            raise CorruptCacheError(f"TRACE cache truncated: a section of {n} bytes at offset {at} overruns the "
-                                    f"{blob.numel()}-byte buffer")
-        view = blob[at:at + n]
-        at += n
-        return view.view(dtype).reshape(shape) if n else torch.zeros(shape, dtype=dtype, device=blob.device)
-
-    token_runs = take(torch.int32, (int(head["n_token_runs"]), 3))
+    take = reader.take
+    token_runs = take(torch.int32, (int(head["n_token_runs"]), 3), align=ALIGN)
     rowsets = take(torch.uint8, (int(head["n_rowsets"]), int(head["rowset_bytes"])))
     entries = {}
     for layer, site, expert, rowset, rows, k_start, k_width, k_full, n_gs in head["entries"]:
@@ -195,8 +247,9 @@ def _decode(blob: torch.Tensor, head: dict, at: int) -> TraceCache:
         gs_index = take(torch.uint8, (packed_index_bytes(rows, index_width(n_gs)),))
         entries[EntryKey(int(layer), str(site), int(expert))] = TraceEntry(
             int(rowset), bits, scales, gs_table, gs_index, int(k_start), int(k_full))
-    if at != blob.numel():
-        raise CorruptCacheError(f"TRACE cache layout ends at byte {at} but the buffer holds {blob.numel()}")
+    if reader.at != reader.blob.numel():
+        raise CorruptCacheError(f"TRACE cache layout ends at byte {reader.at} but the buffer holds "
+                                f"{reader.blob.numel()}")
     return TraceCache(weight_version=int(head["weight_version"]), step=int(head["step"]),
                       fingerprint=str(head["fingerprint"]), token_runs=token_runs.cpu(), rowsets=rowsets.cpu(),
                       entries=entries)

@@ -14,9 +14,11 @@ Sequence parallelism is not used to trim rows (a TP rank receives its samples' f
 
 Colocated (engine and trainer share ranks, each rank's engine produced exactly its own samples and no
 EP/TP cut applies): `local_shard` slices locally, nothing moves. Otherwise `exchange` is one collective
-over a group holding engines and trainers: every rank with a cache slices it per destination spec,
-then two all_to_all_single calls move sizes and bytes (gloo on CPU; NCCL on GPU, with the buffers on
-the current CUDA device). Receivers verify each piece's checksum and merge the pieces.
+over a group holding engines and trainers: every rank with a cache slices it per destination spec and
+serializes each piece on the communication device, then two all_to_all_single calls move sizes and bytes
+(gloo on CPU; NCCL on GPU, with the buffers on the current CUDA device, so a GPU cache never visits the
+host). Receivers verify each piece's checksum where it arrived and merge the pieces. A spec that keeps
+the whole cache (one trainer rank) sends the cache as it is, without rebuilding it.
 """
 from __future__ import annotations
 
@@ -100,6 +102,16 @@ class ShardSpec:
             return EntryCut(mask(ids), self.k_range(key, entry.k_full))
         return cut
 
+    def keeps_whole(self, cache: TraceCache) -> bool:
+        """Whether cut_for(cache) keeps every entry with all its rows and columns (one trainer rank)."""
+        if not all(self.wants(k) and self.k_range(k, e.k_full) is None for k, e in cache.entries.items()):
+            return False
+        wanted = {self.expert_samples if k.routed else self.samples for k in cache.entries} - {None}
+        if not wanted:
+            return True
+        present = torch.unique(cache.tokens()[0])
+        return all(bool(torch.isin(present, torch.tensor(ids, dtype=torch.int64)).all()) for ids in wanted)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
@@ -158,7 +170,10 @@ def megatron_ep_group(dp_rank: int, tp_rank: int, tp_size: int, ep_size: int, et
 
 
 def select(cache: TraceCache, spec: ShardSpec) -> TraceCache:
-    """The part of `cache` a rank with `spec` needs (a new sealed cache)."""
+    """The part of `cache` a rank with `spec` needs: the cache itself when the spec keeps all of it (no
+    rebuild, no re-hash: one trainer rank), else a new sealed cache."""
+    if spec.keeps_whole(cache):
+        return cache
     return cache.subset(spec.cut_for(cache))
 
 
@@ -189,14 +204,14 @@ def exchange(local: Optional[TraceCache], specs: Mapping[int, ShardSpec], group=
     """
     world, me = dist.get_world_size(group), dist.get_rank(group)
     device = comm_device(group)
-    blobs = [torch.zeros(0, dtype=torch.uint8)] * world
+    blobs = [torch.zeros(0, dtype=torch.uint8, device=device)] * world
     if local is not None:
         check_checksum(local)   # never forward a corrupted cache under a fresh checksum
         for dst, spec in specs.items():
-            blobs[dst] = to_bytes(select(local, spec))
+            blobs[dst] = to_bytes(select(local, spec), device=device)   # a CUDA cache never visits the host
     send_sizes = torch.tensor([b.numel() for b in blobs], dtype=torch.int64, device=device)
     recv_sizes = torch.empty_like(send_sizes)
-    send = torch.cat(blobs).to(device)
+    send = torch.cat(blobs)
     start = time.perf_counter()
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
     in_sizes = recv_sizes.tolist()
