@@ -38,8 +38,8 @@ def seal_rollouts(cfg, rollouts: Sequence, step: int, version: int, first_index:
     """The sealed cache of `rollouts` (their `trace` captures), sample ids first_index.., for `cfg`'s
     cached layers and fingerprint."""
     builder = TraceCacheBuilder(version, step, config_fingerprint(cfg), layers=cfg.cached_layers())
-    for i, r in enumerate(rollouts):
-        builder.add_sample(first_index + i, r.trace, routed_experts=r.routed_experts)
+    builder.add_samples(range(first_index, first_index + len(rollouts)), [r.trace for r in rollouts],
+                        [r.routed_experts for r in rollouts])
     return builder.build()
 
 
@@ -103,10 +103,9 @@ class TraceRecorder:
         """The sealed cache of the batch whose position first_position + i holds the sample with handle
         handles[i] (those kept here; the others come from other engines); then drops every record."""
         builder = TraceCacheBuilder(self.version, step, config_fingerprint(self.cfg), layers=self.cfg.cached_layers())
-        for position, handle in enumerate(handles, start=first_position):
-            kept = self._kept.get(int(handle))
-            if kept is not None:
-                builder.add_sample(position, kept.trace, routed_experts=kept.routed_experts)
+        mine = [(position, self._kept[int(h)]) for position, h in enumerate(handles, start=first_position)
+                if int(h) in self._kept]
+        builder.add_samples([p for p, _ in mine], [k.trace for _, k in mine], [k.routed_experts for _, k in mine])
         self.clear()
         return builder.build()
 
