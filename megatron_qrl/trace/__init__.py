@@ -3,8 +3,8 @@
 Two ports: the engine's `TraceRecorder` (recorder.py: owns the capture sink, keeps each sample's captures under
 its handle, seals the batch's cache) and the trainer's `TraceReplay` (guidance.py: given to the Trainer once,
 loaded per step with what `exchange` delivered, serves `for_micro_batch`). Below them:
-Engine side: `TraceCacheBuilder.add_sample(sample_index, sample.trace, sample.routed_experts)` per
-generated sample, then `build()` (sealed, checksummed). Transport: `exchange` (or `local_shard` when
+Engine side: `TraceCacheBuilder.add_samples(indices, traces, routed_experts)` for a batch (or `add_sample`
+for one), then `build()` (sealed, checksummed where the captures live). Transport: `exchange` (or `local_shard` when
 colocated) with one `ShardSpec` per trainer rank; storage: `TraceStore` / `plan`. Trainer side:
 `accept` (validate, count rejections), then `BatchGuides` (index once per batch, gather guide rows on the
 device, `replay_rows`) -- or its host reference `GuideProvider` / `lookup` per micro-batch and
