@@ -15,6 +15,8 @@ import json
 
 import torch
 
+from graph_timing import replay_us
+
 LAYERS, EXPERTS, TOP_K, BLOCK_M = 48, 128, 8, 16
 
 
@@ -35,24 +37,9 @@ def compare(outs, ref, routed, ref_routed) -> dict:
     return {"same": ints and close, "ints_equal": ints, "probs_close": close, "probs_bitwise": bitwise}
 
 
-def us_per_layer(logits, routed, reps: int = 20) -> tuple[float, list]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_layers(logits, routed)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = run_layers(logits, routed)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / len(logits), [[t.clone() for t in o] for o in outs]
+def us_per_layer(logits, routed) -> tuple[float, list]:
+    us, outs = replay_us(lambda: run_layers(logits, routed))
+    return us / len(logits), [[t.clone() for t in o] for o in outs]
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graph_timing import replay_us
+
 
 @triton.jit
 def _bump(x_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
@@ -46,25 +48,9 @@ def _gemm(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: 
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=rm[:, None] < M)
 
 
-def per_kernel_us(body, n_kernels: int, reps: int = 20) -> float:
-    """Captures body() once in a graph and returns the replay time per kernel it launches."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / n_kernels
+def per_kernel_us(body, n_kernels: int) -> float:
+    """The replay time of body()'s graph per kernel it launches."""
+    return replay_us(body)[0] / n_kernels
 
 
 def main(argv=None) -> int:
