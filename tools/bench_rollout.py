@@ -73,7 +73,7 @@ def _parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moe-tokens-per-expert", type=float, default=0.0,
                    help="experiment: the grouped-expert tile heuristic sees this many assignments per expert "
-                        "instead of the batch's average (0: off); tile choice under skewed routing")
+                        "instead of the batch's average (0: off), i.e. forces a larger tile class")
     p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
                    help="quant.targets of the engines (all_linears: FP4 attention linears too)")
     p.add_argument("--json", default=None)
@@ -222,7 +222,8 @@ def time_hf(model, prompts, n_new):
 def routing_stats(engine, prompts, a) -> dict:
     """How the decode steps of one generate call routed (R3 ids): per step and MoE layer, the distinct experts
     the batch touched and the heaviest expert's rows, averaged; `touched_vs_uniform` compares the touched count
-    with what uniform routing touches (the HBM floor's assumption). Random-weight deep models route skewed."""
+    with what uniform routing touches (the HBM floor's assumption; the 48-layer random-weight model routes
+    uniformly, docs/PERF.md 2026-12-02 third session)."""
     import torch
 
     from megatron_qrl.rollout.protocol import SamplingParams
@@ -254,16 +255,20 @@ def routing_stats(engine, prompts, a) -> dict:
 
 def time_seal(engine, prompts, n_new) -> dict:
     """What the loop pays after a generate call with TRACE: sealing its captures into the cache (build, sort,
-    checksum), where they are (the engine's device)."""
+    checksum), where they are (the engine's device). Two calls: the first seal also compiles the checksum
+    kernel, the second is the steady cost."""
     from megatron_qrl.rollout.protocol import SamplingParams
 
-    engine.trace_recorder.clear()
-    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=n_new, seed=0))  # keeps them
-    _sync()
-    t0 = time.perf_counter()
-    cache = engine.trace_recorder.seal(range(len(out)), step=0)
-    _sync()
-    return {"seal_s": round(time.perf_counter() - t0, 4), "cache_mb": round(cache.nbytes / 2**20, 1),
+    seconds = []
+    for _ in range(2):
+        engine.trace_recorder.clear()
+        out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=n_new, seed=0))  # kept
+        _sync()
+        t0 = time.perf_counter()
+        cache = engine.trace_recorder.seal(range(len(out)), step=0)
+        _sync()
+        seconds.append(round(time.perf_counter() - t0, 4))
+    return {"seal_s": seconds[-1], "first_seal_s": seconds[0], "cache_mb": round(cache.nbytes / 2**20, 1),
             "cache_device": str(cache.device), "entries": len(cache.entries)}
 
 

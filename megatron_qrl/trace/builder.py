@@ -145,8 +145,7 @@ class TraceCacheBuilder:
             if gs.numel() and not bool(torch.isfinite(gs).all() and (gs > 0).all()):
                 raise MisshapenCacheError(f"layer {layer} site '{site}': global scales must be finite and > 0")
             composite = (experts + 1) * max(1, n_tokens) + tok
-            order = torch.sort(composite).indices        # (torch.argsort is ~40x slower on the CPU)
-            sorted_comp = composite[order]
+            sorted_comp, order = torch.sort(composite)     # (torch.argsort is ~40x slower on the CPU)
             dup = torch.nonzero(sorted_comp[1:] == sorted_comp[:-1]).reshape(-1)
             if dup.numel():
                 t = int(tok[order[dup[0]]])
