@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV, gather
-from .w4a16_gemm import INTERPRET, _dequant_tile
+from .w4a16_gemm import INTERPRET, _dequant_tile, _nvfp4_scale_f16
 
 LOG2E = 1.4426950408889634
 # defaults = the fastest of tools/bench_attention.py's sweep on an H200 at 8 of 10 shapes (2026-12-02: 128-position
@@ -47,6 +47,9 @@ LOG2E = 1.4426950408889634
 BLOCK_S = 128
 PROGRAMS_PER_SM = 2      # split target: batch * kv_heads * splits >= this many programs per SM
 MIN_BLOCKS = 2           # ... but a split of a full-length row keeps at least this many BLOCK_S steps
+# NVFP4 code decode: bit operations (any backend, the interpreter's), inline PTX on 2 bytes, on 4 bytes, or on 4
+# bytes kept where the tile was loaded (GPU; _dequant_fp4)
+DECODERS = ("bits", "pair", "word", "word_early")
 
 
 @triton.jit
@@ -57,6 +60,68 @@ def _dot(a, b, F32: tl.constexpr):
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         out = tl.dot(a, b)
+    return out
+
+
+# Four code bytes (one 32-bit register, as they were loaded) -> the low and the high elements as two float16
+# pairs each, code * 2^-14 (w4a16_gemm._codes_f16's bit placement; 10 integer instructions per 8 codes, and no
+# byte packing: the pair form takes 16-bit inputs, which costs 4 more instructions per 2 bytes to build).
+_DECODE_WORD_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, c;
+prmt.b32 t0, $4, 0, 0x1404;
+prmt.b32 t1, $4, 0, 0x3424;
+and.b32 $0, t0, 0x8E008E00;
+and.b32 $1, t1, 0x8E008E00;
+shr.b32 a, t0, 3;
+shl.b32 c, t0, 7;
+lop3.b32 $2, a, c, 0x8E008E00, 0xA8;
+shr.b32 a, t1, 3;
+shl.b32 c, t1, 7;
+lop3.b32 $3, a, c, 0x8E008E00, 0xA8;
+}""")
+
+
+# Four E4M3 bytes -> four float16 (two pairs), the GPU's conversion, as non-pure PTX so that the compiler keeps it
+# where it stands: converted in registers *before* the V tile changes layout (float16, then ldmatrix.trans). As a
+# cast, Triton 3.6 hoists it past the layout change, which then moves single bytes (the P.V operand wants 4
+# positions per register; the cache holds rows of D): 128 one-byte shared loads per thread and tile, 255
+# registers; as here, 805 instead of 1177 instructions per warp and tile and 168 registers
+# (tools/inspect_attention_sm90.py, sm_90a).
+_FP8_WORD_ASM = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+
+
+@triton.jit
+def _fp8_f16_v(u, NATIVE: tl.constexpr):
+    """The V tile's E4M3 bytes -> float16: converted where they were loaded (GPU, _FP8_WORD_ASM), or _fp8_f16."""
+    if NATIVE:
+        out = tl.inline_asm_elementwise(_FP8_WORD_ASM, "=r,=r,r", [u], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        out = _fp8_f16(u, False)
+    return out
+
+
+@triton.jit
+def _dequant_fp4(b, sb, BLOCK_S: tl.constexpr, HALF: tl.constexpr, DECODE: tl.constexpr):
+    """Packed NVFP4 tile (uint8 [BLOCK_S, HALF], prepared block scales [BLOCK_S, HALF/8]) -> (low, high) float16
+    halves, code * s * 2^-9 exactly. DECODE indexes DECODERS: 0 bit operations (the interpreter's), 1 inline PTX
+    on two bytes (w4a16_gemm's), 2 on four bytes, 3 on four bytes where the tile was loaded."""
+    if DECODE >= 2:
+        G: tl.constexpr = HALF // 16
+        # pure: the compiler may move the decode past the tile's layout change (code bytes, not float16, go
+        # through shared memory); not pure ("early"): decoded where loaded, fewer registers (PERF.md measures both)
+        c_lo, c_hi = tl.inline_asm_elementwise(_DECODE_WORD_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                               is_pure=DECODE == 2, pack=4)
+        s_lo, s_hi = tl.split(tl.reshape(sb, (BLOCK_S, G, 2)))
+        w_lo = tl.reshape(c_lo, (BLOCK_S, G, 16)) * _nvfp4_scale_f16(s_lo)[:, :, None]
+        w_hi = tl.reshape(c_hi, (BLOCK_S, G, 16)) * _nvfp4_scale_f16(s_hi)[:, :, None]
+        out = tl.reshape(w_lo, (BLOCK_S, HALF)), tl.reshape(w_hi, (BLOCK_S, HALF))
+    else:
+        out = _dequant_tile(b, sb, 1.0, BLOCK_S, HALF, False, True, DECODE == 1)
     return out
 
 
@@ -84,7 +149,7 @@ def _fp8_f16(u, NATIVE: tl.constexpr):
 def _packed_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
                           ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale,
                           G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, IS_FP4: tl.constexpr,
-                          Q16: tl.constexpr, F32: tl.constexpr, USE_ASM: tl.constexpr, FP8_NATIVE: tl.constexpr):
+                          Q16: tl.constexpr, F32: tl.constexpr, DECODE: tl.constexpr, FP8_NATIVE: tl.constexpr):
     """Shapes and the split count are runtime values (one compile per tunable set, format and query dtype)."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -141,7 +206,7 @@ def _packed_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr,
             kb = tl.load(kc_ptr + r[:, None] * HALF + c[None, :], mask=s_mask[:, None], other=0)
             ksb = tl.load(ks_ptr + r[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=s_mask[:, None],
                           other=0)
-            k_a, k_b = _dequant_tile(kb, ksb, 1.0, BLOCK_S, HALF, False, True, USE_ASM)
+            k_a, k_b = _dequant_fp4(kb, ksb, BLOCK_S, HALF, DECODE)
             sc = _dot(qa, tl.trans(k_a), F32) + _dot(qb, tl.trans(k_b), F32)
         else:
             kb = tl.load(kc_ptr + r[:, None] * D + c[None, :], mask=s_mask[:, None], other=0)
@@ -161,14 +226,14 @@ def _packed_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr,
             vb = tl.load(vc_ptr + r[:, None] * HALF + c[None, :], mask=s_mask[:, None], other=0)
             vsb = tl.load(vs_ptr + r[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=s_mask[:, None],
                           other=0)
-            v_a, v_b = _dequant_tile(vb, vsb, 1.0, BLOCK_S, HALF, False, True, USE_ASM)
+            v_a, v_b = _dequant_fp4(vb, vsb, BLOCK_S, HALF, DECODE)
             v_f = v_top * 512.0
             acc_a = acc_a * alpha[:, None] + _dot(p, v_a, F32) * v_f
             acc_b = acc_b * alpha[:, None] + _dot(p, v_b, F32) * v_f
         else:
             vb = tl.load(vc_ptr + r[:, None] * D + c[None, :], mask=s_mask[:, None], other=0)
             v_f = v_top if FP8_NATIVE else v_top * 256.0
-            acc_a = acc_a * alpha[:, None] + _dot(p, _fp8_f16(vb, FP8_NATIVE), F32) * v_f
+            acc_a = acc_a * alpha[:, None] + _dot(p, _fp8_f16_v(vb, FP8_NATIVE), F32) * v_f
         m_i = m_new
 
     out_row = q_rows * NUM_SPLITS + sp
@@ -194,9 +259,29 @@ def split_count(batch: int, kv_heads: int, max_len: int, block_s: int, sms: int,
     return max(1, min(want, cap))
 
 
+def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor, lens: torch.Tensor,
+                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, block_s: int, *, decode: str,
+                fp8_native: bool) -> dict:
+    """The kernel's arguments by name (one place for the launch and tools/inspect_attention_sm90.py, which
+    compiles the kernel for sm_90a on a machine without a GPU)."""
+    bsz, hq, d = q.shape
+    _, hkv, max_len, _ = keys.codes.shape
+    fp4 = keys.fmt == "fp4"
+    q16 = q.dtype != torch.float32
+    group = hq // hkv
+
+    def scales(c):
+        return c.scales if fp4 else c.codes
+    return dict(q_ptr=q, kc_ptr=keys.codes, ks_ptr=scales(keys), kr_ptr=keys.row_scale, vc_ptr=values.codes,
+                vs_ptr=scales(values), vr_ptr=values.row_scale, slots_ptr=slots, lens_ptr=lens, acc_ptr=acc,
+                ml_ptr=ml, HQ=hq, HKV=hkv, L=max_len, GROUP=group, NUM_SPLITS=acc.shape[2],
+                qk_scale=sm_scale * LOG2E, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s,
+                IS_FP4=fp4, Q16=q16, F32=INTERPRET or not q16, DECODE=DECODERS.index(decode), FP8_NATIVE=fp8_native)
+
+
 def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
                             lens: torch.Tensor, sm_scale: float, *, block_s: int = BLOCK_S, num_warps: int = 4,
-                            num_stages: int = 2, num_splits: Optional[int] = None, use_asm: Optional[bool] = None,
+                            num_stages: int = 2, num_splits: Optional[int] = None, decode: Optional[str] = None,
                             programs_per_sm: int = PROGRAMS_PER_SM, min_blocks: int = MIN_BLOCKS,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V for each row over the first lens[b] positions of cache slot slots[b].
@@ -205,7 +290,7 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     slots, lens: int [B] device tensors (1 <= lens[b] <= max_len). Returns [B, H_q, D] in q's dtype (into
     `out` when given: contiguous, q's shape and dtype). No
     host synchronisation. block_s / num_warps / num_stages / num_splits (or programs_per_sm / min_blocks for
-    `split_count`) / use_asm (inline-PTX code decode) are tunables; tools/bench_attention.py sweeps them."""
+    `split_count`) / decode (how NVFP4 codes become float16: DECODERS) are tunables; tools/bench_attention.py sweeps them."""
     bsz, hq, d = q.shape
     if keys.fmt != values.fmt or keys.codes.shape != values.codes.shape:
         raise ValueError("K and V caches must share one format and shape")
@@ -214,23 +299,17 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, cache heads {hkv}, head_dim {keys.head_dim}")
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
-    group = hq // hkv
     if num_splits is None:
         num_splits = split_count(bsz, hkv, max_len, block_s, _sm_count(q.device), programs_per_sm, min_blocks)
     num_splits = triton.next_power_of_2(num_splits)
-    fp4 = keys.fmt == "fp4"
-    q16 = q.dtype != torch.float32
     qc = q.contiguous()
     acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
     ml = torch.empty((bsz, hq, num_splits, 2), device=q.device, dtype=torch.float32)
 
-    def scales(c):
-        return c.scales if fp4 else c.codes
     _packed_decode_kernel[(bsz, hkv, num_splits)](
-        qc, keys.codes, scales(keys), keys.row_scale, values.codes, scales(values), values.row_scale, slots, lens,
-        acc, ml, hq, hkv, max_len, group, num_splits, sm_scale * LOG2E,
-        G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s, IS_FP4=fp4, Q16=q16, F32=INTERPRET or not q16, USE_ASM=(not INTERPRET) if use_asm is None else use_asm,
-        FP8_NATIVE=not INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        **kernel_args(qc, keys, values, slots, lens, acc, ml, sm_scale, block_s,
+                      decode=decode or ("bits" if INTERPRET else "word"), fp8_native=not INTERPRET),
+        num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty((bsz, hq, d), device=q.device, dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():

@@ -115,7 +115,8 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
     tol = 5e-3 if dtype == torch.bfloat16 else 1e-5
     configs = [{}, dict(block_s=16, num_splits=1), dict(block_s=32, num_splits=8)]
     if GPU:
-        configs += [dict(block_s=128, num_warps=8), dict(block_s=64, num_stages=3, use_asm=False)]
+        configs += [dict(block_s=128, num_warps=8), dict(block_s=64, num_stages=3, decode="bits"),
+                    dict(decode="pair"), dict(decode="word"), dict(decode="word_early", num_warps=8)]
     for cfg in configs:
         out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
         assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out

@@ -42,23 +42,30 @@ MAX_COPIES = 64
 def sweep(fmt: str, mode: str) -> list[dict]:
     """Tunable sets of packed_decode_attention; the first is the default (no arguments)."""
     default = [{}]
+    if mode == "focus":     # the tiles that fit 3 programs per SM since the V conversion moved (168 registers)
+        out = default + [dict(block_s=b, num_warps=w, programs_per_sm=p) for b, w in ((128, 4), (128, 8), (64, 4))
+                         for p in (2, 3, 4)]
+        if fmt == "nvfp4":
+            out += [dict(decode=d) for d in ("pair", "word_early")] + [dict(decode="word_early", programs_per_sm=3)]
+        return out
     if mode != "all":
         return default
     tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
     out = default + [dict(block_s=b, num_warps=w, num_stages=s, programs_per_sm=p)
                      for b, w, s in tiles for p in (2, 4, 8)]
     out += [dict(min_blocks=1), dict(min_blocks=4), dict(num_stages=1)]
-    if fmt == "nvfp4":
-        out.append(dict(use_asm=False))
+    if fmt == "nvfp4":      # the code decoders (kv_decode_attention.DECODERS) on the two best tiles of 2026-12-02
+        out += [dict(decode=d, **t) for d in ("pair", "word", "word_early")
+                for t in (dict(), dict(block_s=64, num_warps=4, num_stages=2, programs_per_sm=4))]
     return out
 
 
 def config_name(cfg: dict) -> str:
     if not cfg:
         return "default"
-    short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "use_asm": "asm",
-             "min_blocks": "mb"}
-    return "/".join(f"{short[k]}{int(v)}" for k, v in cfg.items())
+    short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
+             "decode": ""}
+    return "/".join(f"{short[k]}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 
 def build_case(bsz: int, s: int, hq: int, hkv: int, d: int, gen: torch.Generator):
@@ -220,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", type=lambda t: parse_pairs(t, "x"), default=SHAPES, help="BxS,... (batch x context)")
     ap.add_argument("--heads", type=lambda t: parse_pairs(t, "/"), default=HEADS, help="HQ/HKV,...")
     ap.add_argument("--formats", type=lambda t: t.split(","), default=list(FORMATS))
-    ap.add_argument("--configs", choices=["default", "all"], default="default")
+    ap.add_argument("--configs", choices=["default", "focus", "all"], default="default")
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; past it, the remaining cases time only "
                     "the default config (0: no limit)")
