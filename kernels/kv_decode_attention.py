@@ -37,19 +37,21 @@ import torch
 import triton
 import triton.language as tl
 
+from . import kv_decode_gluon
 from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV, gather
 from .w4a16_gemm import INTERPRET, _dequant_tile, _nvfp4_scale_f16
 
 LOG2E = 1.4426950408889634
-# defaults = the fastest of tools/bench_attention.py's sweep on an H200 at 8 of 10 shapes (2026-12-02: 128-position
-# blocks, 4 warps, 2 stages, 2 programs per SM; 1.05-1.28x of the old 64-position / 4-per-SM default's speed)
+# defaults = the fastest of tools/bench_attention.py's sweeps: 128-position blocks, 4 warps, 2 stages (H200,
+# 2026-12-02); 4 programs per SM since the V conversion moved (168 registers: 3 fit an SM; FP8 best at 4 in 9 of
+# 10 shapes, H100, 2026-12-06)
 BLOCK_S = 128
-PROGRAMS_PER_SM = 2      # split target: batch * kv_heads * splits >= this many programs per SM
+PROGRAMS_PER_SM = 4      # split target: batch * kv_heads * splits >= this many programs per SM
 MIN_BLOCKS = 2           # ... but a split of a full-length row keeps at least this many BLOCK_S steps
-# NVFP4 code decode: bit operations (any backend, the interpreter's), inline PTX on 2 bytes, on 4 bytes, or on 4
-# bytes kept where the tile was loaded (GPU; _dequant_fp4)
-DECODERS = ("bits", "pair", "word", "word_early")
+# NVFP4 code decode: bit operations (any backend, the interpreter's), inline PTX on 2 bytes, on 4 bytes, on 4
+# bytes kept where the tile was loaded, or on 4 bytes read as two 16-bit elements (GPU; _dequant_fp4, _load_fp4)
+DECODERS = ("bits", "pair", "word", "word_early", "halfword")
 
 
 @triton.jit
@@ -122,6 +124,54 @@ def _dequant_fp4(b, sb, BLOCK_S: tl.constexpr, HALF: tl.constexpr, DECODE: tl.co
         out = tl.reshape(w_lo, (BLOCK_S, HALF)), tl.reshape(w_hi, (BLOCK_S, HALF))
     else:
         out = _dequant_tile(b, sb, 1.0, BLOCK_S, HALF, False, True, DECODE == 1)
+    return out
+
+
+# Two 16-bit elements (four code bytes b0..b3, one register) -> four float16 pairs: the low elements of the even
+# bytes (b0, b2), of the odd bytes (b1, b3), the high elements of the even and of the odd bytes.
+_DECODE_HALFWORD_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, c;
+prmt.b32 t0, $4, 0, 0x2404;
+prmt.b32 t1, $4, 0, 0x3414;
+and.b32 $0, t0, 0x8E008E00;
+and.b32 $1, t1, 0x8E008E00;
+shr.b32 a, t0, 3;
+shl.b32 c, t0, 7;
+lop3.b32 $2, a, c, 0x8E008E00, 0xA8;
+shr.b32 a, t1, 3;
+shl.b32 c, t1, 7;
+lop3.b32 $3, a, c, 0x8E008E00, 0xA8;
+}""")
+
+
+@triton.jit
+def _load_fp4(codes_ptr, scales_ptr, r, s_mask, BLOCK_S: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+              DECODE: tl.constexpr):
+    """Rows r of a packed NVFP4 stream -> (low, high) float16 halves [BLOCK_S, HALF] (_dequant_fp4's values).
+
+    DECODE 4 ("halfword") reads codes and scales as 16-bit elements: no 8-bit tensor reaches the dots, so Triton
+    gives their operands the MMA's native 2-element register width (with 8-bit inputs it picks 4 for both
+    operands, and every HMMA then waits on register moves that rebuild its fragments)."""
+    if DECODE == 4:
+        c16 = tl.arange(0, HALF // 2)
+        w = tl.load(codes_ptr.to(tl.pointer_type(tl.int16)) + r[:, None] * (HALF // 2) + c16[None, :],
+                    mask=s_mask[:, None], other=0)
+        lo_e, lo_o, hi_e, hi_o = tl.inline_asm_elementwise(
+            _DECODE_HALFWORD_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
+        G: tl.constexpr = HALF // 16
+        sp = tl.load(scales_ptr.to(tl.pointer_type(tl.int16)) + r[:, None] * G + tl.arange(0, G)[None, :],
+                     mask=s_mask[:, None], other=0).to(tl.int32)
+        s_lo = ((sp & 0xFF) << 7).to(tl.int16).to(tl.float16, bitcast=True)      # block 2g: s * 2^5
+        s_hi = ((sp & 0xFF00) >> 1).to(tl.int16).to(tl.float16, bitcast=True)    # block 2g + 1
+        lo = tl.reshape(tl.join(lo_e, lo_o), (BLOCK_S, G, 16)) * s_lo[:, :, None]
+        hi = tl.reshape(tl.join(hi_e, hi_o), (BLOCK_S, G, 16)) * s_hi[:, :, None]
+        out = tl.reshape(lo, (BLOCK_S, HALF)), tl.reshape(hi, (BLOCK_S, HALF))
+    else:
+        b = tl.load(codes_ptr + r[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=s_mask[:, None], other=0)
+        sb = tl.load(scales_ptr + r[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=s_mask[:, None],
+                     other=0)
+        out = _dequant_fp4(b, sb, BLOCK_S, HALF, DECODE)
     return out
 
 
@@ -203,10 +253,7 @@ def _packed_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr,
         kr = tl.load(kr_ptr + r, mask=s_mask, other=0.0)
         vr = tl.load(vr_ptr + r, mask=s_mask, other=0.0)
         if IS_FP4:
-            kb = tl.load(kc_ptr + r[:, None] * HALF + c[None, :], mask=s_mask[:, None], other=0)
-            ksb = tl.load(ks_ptr + r[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=s_mask[:, None],
-                          other=0)
-            k_a, k_b = _dequant_fp4(kb, ksb, BLOCK_S, HALF, DECODE)
+            k_a, k_b = _load_fp4(kc_ptr, ks_ptr, r, s_mask, BLOCK_S, HALF, D, DECODE)
             sc = _dot(qa, tl.trans(k_a), F32) + _dot(qb, tl.trans(k_b), F32)
         else:
             kb = tl.load(kc_ptr + r[:, None] * D + c[None, :], mask=s_mask[:, None], other=0)
@@ -223,10 +270,7 @@ def _packed_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr,
         if Q16:
             p = p.to(tl.float16)
         if IS_FP4:
-            vb = tl.load(vc_ptr + r[:, None] * HALF + c[None, :], mask=s_mask[:, None], other=0)
-            vsb = tl.load(vs_ptr + r[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=s_mask[:, None],
-                          other=0)
-            v_a, v_b = _dequant_fp4(vb, vsb, BLOCK_S, HALF, DECODE)
+            v_a, v_b = _load_fp4(vc_ptr, vs_ptr, r, s_mask, BLOCK_S, HALF, D, DECODE)
             v_f = v_top * 512.0
             acc_a = acc_a * alpha[:, None] + _dot(p, v_a, F32) * v_f
             acc_b = acc_b * alpha[:, None] + _dot(p, v_b, F32) * v_f
@@ -280,27 +324,53 @@ def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.
 
 
 def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
-                            lens: torch.Tensor, sm_scale: float, *, block_s: int = BLOCK_S, num_warps: int = 4,
-                            num_stages: int = 2, num_splits: Optional[int] = None, decode: Optional[str] = None,
-                            programs_per_sm: int = PROGRAMS_PER_SM, min_blocks: int = MIN_BLOCKS,
+                            lens: torch.Tensor, sm_scale: float, *, block_s: Optional[int] = None,
+                            num_warps: int = 4, num_stages: int = 2, num_splits: Optional[int] = None,
+                            decode: Optional[str] = None, kernel: str = "auto",
+                            programs_per_sm: Optional[int] = None, min_blocks: Optional[int] = None,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V for each row over the first lens[b] positions of cache slot slots[b].
 
     q [B, H_q, D] (bf16 / fp16 / fp32); keys / values: one layer of a packed KVCache (PackedKV, fp4 or fp8);
     slots, lens: int [B] device tensors (1 <= lens[b] <= max_len). Returns [B, H_q, D] in q's dtype (into
     `out` when given: contiguous, q's shape and dtype). No
-    host synchronisation. block_s / num_warps / num_stages / num_splits (or programs_per_sm / min_blocks for
-    `split_count`) / decode (how NVFP4 codes become float16: DECODERS) are tunables; tools/bench_attention.py sweeps them."""
+    host synchronisation. kernel picks "triton", "gluon" (kv_decode_gluon: NVFP4, head_dim 128, <= 8 query heads
+    per KV head, 16-bit q, CUDA) or "auto" (gluon where it applies). Tunables (None: the chosen kernel's
+    default): block_s (positions per loop trip), num_splits (or programs_per_sm / min_blocks for the split
+    count); the Triton kernel's num_warps / num_stages / decode (how NVFP4 codes become float16: DECODERS).
+    tools/bench_attention.py sweeps them."""
     bsz, hq, d = q.shape
     if keys.fmt != values.fmt or keys.codes.shape != values.codes.shape:
         raise ValueError("K and V caches must share one format and shape")
     _, hkv, max_len, _ = keys.codes.shape
     if keys.head_dim != d or hq % hkv:
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, cache heads {hkv}, head_dim {keys.head_dim}")
-    if block_s < 16 or block_s & (block_s - 1):
+    if block_s is not None and (block_s < 16 or block_s & (block_s - 1)):
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
+    if out is None:
+        out = torch.empty((bsz, hq, d), device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor {tuple(q.shape)}")
+    if kernel not in ("auto", "triton", "gluon"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'gluon', got {kernel!r}")
+    gluon_ok = (not INTERPRET and q.device.type == "cuda"
+                and kv_decode_gluon.supported(keys.fmt, d, hq // hkv, q.dtype))
+    if kernel == "gluon" and not gluon_ok:
+        raise ValueError(f"the Gluon kernel takes NVFP4, head_dim 128, <= {kv_decode_gluon.HEADS} query heads per "
+                         f"KV head and a 16-bit q on CUDA; got {keys.fmt}, head_dim {d}, {hq // hkv} heads per KV "
+                         f"head, {q.dtype} on {q.device}: pass kernel='triton'")
+    if gluon_ok and kernel != "triton":
+        tile = block_s or kv_decode_gluon.TILE
+        if num_splits is None:
+            num_splits = kv_decode_gluon.split_count(bsz, hkv, max_len, _sm_count(q.device),
+                                                     programs_per_sm or kv_decode_gluon.PROGRAMS_PER_SM,
+                                                     min_blocks or kv_decode_gluon.MIN_TILES, tile)
+        return kv_decode_gluon.gluon_decode_attention(q, keys, values, slots, lens, sm_scale, out,
+                                                      triton.next_power_of_2(num_splits), tile)
+    block_s = block_s or BLOCK_S
     if num_splits is None:
-        num_splits = split_count(bsz, hkv, max_len, block_s, _sm_count(q.device), programs_per_sm, min_blocks)
+        num_splits = split_count(bsz, hkv, max_len, block_s, _sm_count(q.device), programs_per_sm or PROGRAMS_PER_SM,
+                                 min_blocks or MIN_BLOCKS)
     num_splits = triton.next_power_of_2(num_splits)
     qc = q.contiguous()
     acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
@@ -310,10 +380,6 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
         **kernel_args(qc, keys, values, slots, lens, acc, ml, sm_scale, block_s,
                       decode=decode or ("bits" if INTERPRET else "word"), fp8_native=not INTERPRET),
         num_warps=num_warps, num_stages=num_stages)
-    if out is None:
-        out = torch.empty((bsz, hq, d), device=q.device, dtype=q.dtype)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {q.dtype} tensor {tuple(q.shape)}")
     _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=INTERPRET, num_warps=4)
     return out
 

@@ -115,14 +115,42 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
     tol = 5e-3 if dtype == torch.bfloat16 else 1e-5
     configs = [{}, dict(block_s=16, num_splits=1), dict(block_s=32, num_splits=8)]
     if GPU:
-        configs += [dict(block_s=128, num_warps=8), dict(block_s=64, num_stages=3, decode="bits"),
-                    dict(decode="pair"), dict(decode="word"), dict(decode="word_early", num_warps=8)]
+        configs += [dict(block_s=128, num_warps=8, kernel="triton"), dict(block_s=64, num_stages=3, decode="bits",
+                    kernel="triton"), dict(decode="pair", kernel="triton"), dict(decode="word", kernel="triton"),
+                    dict(decode="word_early", num_warps=8, kernel="triton")]
+        if fmt == "fp4" and dtype == torch.bfloat16:     # the Gluon kernel (also the default {} here)
+            configs += [dict(kernel="gluon"), dict(kernel="gluon", num_splits=1), dict(kernel="gluon", num_splits=64)]
     for cfg in configs:
         out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
         assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out
         assert torch.isfinite(out).all(), cfg
         err = float((out.double() - ref).norm() / ref.norm())
         assert err < tol, (cfg, err)
+
+
+def test_gluon_orders_are_permutations_that_q_k_v_and_the_store_agree_on():
+    """kv_decode_gluon's logical head_dim orders (the MMA fragments' K of the scores, the rows of O^T): each is a
+    permutation, and attention through them (q, K gathered in one, V in the other, the output stored back) is
+    plain attention. The GPU test above checks the kernel's own index arithmetic against the reference."""
+    from megatron_qrl.kernels import kv_decode_gluon as kg
+    for order in (kg.q_order(), kg.o_order()):
+        assert sorted(order.tolist()) == list(range(kg.HEAD_DIM))
+        assert not torch.equal(order, torch.arange(kg.HEAD_DIM))          # a real reordering, not identity
+    g = _gen(3)
+    q, k, v = (torch.randn(n, kg.HEAD_DIM, generator=g, dtype=torch.float64) for n in (8, 77, 77))
+    ref = torch.softmax(q @ k.T, -1) @ v
+    assert torch.allclose(kg.emulate_orders(q, k, v), ref, rtol=0, atol=1e-12)
+    # q_order groups each lane's 16 code bytes: logical k = 64 h + 32 j3 + 16 j2 + 8 j1 + 2 gr + j0
+    assert kg.q_order()[2].item() == 32 and kg.q_order()[8].item() == 2 and kg.q_order()[64].item() == 16
+    assert kg.o_order()[1].item() == 8 and kg.o_order()[2].item() == 32 and kg.o_order()[8].item() == 1
+
+
+@pytest.mark.skipif(GPU, reason="the CPU's answer to a Gluon request")
+def test_gluon_kernel_request_off_gpu_is_a_clear_error():
+    k, v = _filled_caches("fp4", 2, _gen(5))
+    q = torch.randn(2, 8, HEAD_DIM).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="kernel='triton'"):
+        packed_decode_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([3, 5]), 0.1, kernel="gluon")
 
 
 def test_split_count_fills_the_gpu_and_stays_static():
@@ -132,7 +160,7 @@ def test_split_count_fills_the_gpu_and_stays_static():
     assert split_count(64, 8, 2048, 64, 132, **four) == 2
     assert split_count(128, 8, 4096, 64, 132, **four) == 1
     assert split_count(1, 4, 100, 64, 132, **four) == 1        # a short cache: no split below 2 blocks
-    assert split_count(16, 4, 4096, 128, 132) == 8             # the default: 2 programs per SM, 128-position blocks
+    assert split_count(16, 4, 4096, 128, 132) == 16            # the default: 4 programs per SM, 128-position blocks
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")

@@ -42,12 +42,17 @@ MAX_COPIES = 64
 def sweep(fmt: str, mode: str) -> list[dict]:
     """Tunable sets of packed_decode_attention; the first is the default (no arguments)."""
     default = [{}]
-    if mode == "focus":     # the tiles that fit 3 programs per SM since the V conversion moved (168 registers)
-        out = default + [dict(block_s=b, num_warps=w, programs_per_sm=p) for b, w in ((128, 4), (128, 8), (64, 4))
-                         for p in (2, 3, 4)]
-        if fmt == "nvfp4":
-            out += [dict(decode=d) for d in ("pair", "word_early")] + [dict(decode="word_early", programs_per_sm=3)]
-        return out
+    if mode == "focus":     # 2026-12-06: the Gluon NVFP4 kernel's tunables; the Triton kernel's best tiles
+        tri = [dict(block_s=b, num_warps=w, programs_per_sm=p) for b, w in ((128, 4), (128, 8), (64, 4))
+               for p in (2, 3, 4)]
+        if fmt != "nvfp4":
+            return default + tri
+        gl = [dict(kernel="gluon", programs_per_sm=p) for p in (8, 32)] + [
+            dict(kernel="gluon", block_s=64), dict(kernel="gluon", block_s=64, programs_per_sm=8),
+            dict(kernel="gluon", block_s=16, programs_per_sm=32), dict(kernel="gluon", min_blocks=1),
+            dict(kernel="gluon", min_blocks=8)]
+        return default + gl + [dict(kernel="triton", **t) for t in tri[:3]] + [dict(kernel="triton",
+                                                                                      decode="word_early")]
     if mode != "all":
         return default
     tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
@@ -64,7 +69,7 @@ def config_name(cfg: dict) -> str:
     if not cfg:
         return "default"
     short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
-             "decode": ""}
+             "decode": "", "kernel": ""}
     return "/".join(f"{short[k]}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 

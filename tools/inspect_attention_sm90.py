@@ -38,16 +38,21 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     from triton.runtime.jit import mangle_type
 
     import megatron_qrl.kernels.kv_decode_attention as m
+    import megatron_qrl.kernels.kv_decode_gluon as g
     from megatron_qrl.kernels.kv_layout import PackedKV
-    fn = getattr(m, kernel)
     hkv, slots, length, splits = 2, 2, 256, 2
     q = torch.zeros((slots, hkv * group, d), dtype=torch.bfloat16)
     keys, values = (PackedKV.zeros(fmt, slots, hkv, length, d, "cpu") for _ in range(2))
     idx = torch.zeros(slots, dtype=torch.long)
     acc = torch.zeros((slots, hkv * group, splits, d), dtype=torch.float32)
     ml = torch.zeros((slots, hkv * group, splits, 2), dtype=torch.float32)
-    kwargs = m.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, decode=decode, fp8_native=True)
-    kwargs["F32"] = False                      # the GPU's value (INTERPRET is off there)
+    if kernel == "gluon":
+        fn = g._gluon_decode_kernel
+        kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s)
+    else:
+        fn = getattr(m, kernel)
+        kwargs = m.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, decode=decode, fp8_native=True)
+        kwargs["F32"] = False                  # the GPU's value (INTERPRET is off there)
     constexprs = {(i,): kwargs[name] for i, name in enumerate(fn.arg_names) if fn.params[i].is_constexpr}
     signature = {name: "constexpr" if (i,) in constexprs else mangle_type(kwargs[name])
                  for i, name in enumerate(fn.arg_names)}
@@ -55,7 +60,11 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if (i,) not in constexprs and (isinstance(kwargs[name], torch.Tensor) or (
                  isinstance(kwargs[name], int) and kwargs[name] % 16 == 0 and i not in fn.do_not_specialize))}
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+    source = ASTSource(fn, signature, constexprs, attrs)
+    if kernel == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+        source = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 

@@ -1,0 +1,276 @@
+"""Decode attention over the packed NVFP4 KV cache on Hopper, written in Gluon: one warp per program, the K and V
+tiles decoded straight into MMA registers (no shared memory, no barrier in the loop).
+
+Why: the Triton kernel (kv_decode_attention.py) spends its time in instructions, not bytes. On sm_90a its loop
+issues ~48 warp instructions per cached position at 32/4 heads, a third of them register moves that rebuild
+MMA fragments after shared-memory round trips; it streams NVFP4 at 1.2-1.4 TB/s while bf16 SDPA streams 2.5-4
+TB/s (docs/PERF.md). Here each lane loads exactly the bytes its MMA fragments hold, as 16- or 8-byte vectors:
+
+* Scores as S^T = K Q^T (mma.sync m16n8k16; M = positions, N = the GQA group padded to 8, K = head_dim). In a
+  k16 slice the A fragment of lane (g, t) holds K positions 2t, 2t+1, 2t+8, 2t+9 of rows g and g+8; the dot
+  may sum head_dim in any order that Q^T follows, so lane t takes the whole 32-element packing group t of its
+  rows (16 contiguous bytes) and the logical order is
+      k = 64 h + 32 j3 + 16 j2 + 8 j1 + 2 gr + j0   <->   d = 32 gr + 16 h + 8 j3 + 4 j2 + 2 j1 + j0
+  (gr = group, byte j = 8 j3 + 4 j2 + 2 j1 + j0 holds elements j (h = 0) and 16 + j (h = 1); `q_order`).
+  Q^T is gathered in that order once per program. The scale pair of a group (its low and high blocks) is
+  one 16-bit load per row.
+* Output as O^T = V^T P^T (M = head_dim, N = the group, K = positions): the A fragment wants pairs of
+  positions per register, so lane (g, t) takes positions 2t, 2t+1, 2t+8, 2t+9 (+16 ...) and half group g of
+  each (8 contiguous bytes); head_dim rows are in the logical order
+      row = hg + 8 j0 + 16 j1 + 32 w + 64 h   <->   d = 32 (hg // 2) + 16 h + 8 (hg % 2) + 4 w + 2 j1 + j0
+  (`o_order`), undone at the store. P^T comes from the score accumulator with one layout conversion.
+* Softmax over positions is a reduction across the lanes of one warp (shuffles). The GQA group is the MMA's N,
+  not its M: no softmax work on padding rows at 8 query heads per KV head.
+Numerics are the Triton kernel's (code * s * 2^-9 in fp16, exact; q scaled per head by a power of two into
+fp16; fp32 accumulation; p * (vr / max vr) in fp16), so the two agree to fp32 rounding order.
+
+Gluon compiles for sm_90 only; there is no interpreter path. `emulate_orders` checks the two index maps on
+the CPU; the GPU tests run the kernel against the dequantize-then-softmax reference.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .attention_combine import _combine_kernel
+from .kv_layout import PackedKV
+
+TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 steps of P.V)
+HEAD_DIM = 128
+HEADS = 8            # query heads per KV head, padded: the MMA's N
+PROGRAMS_PER_SM = 16  # one-warp programs: split target (batch * kv_heads * splits >= this many per SM)
+MIN_TILES = 4         # ... but a split keeps at least this many TILE steps
+LOG2E = math.log2(math.e)
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from .w4a16_gluon_gemm import HAVE_GLUON
+    if HAVE_GLUON:
+        from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _halves
+except Exception:  # pragma: no cover - an old Triton: packed_decode_attention keeps the Triton kernel
+    HAVE_GLUON = False
+
+
+def supported(fmt: str, head_dim: int, group: int, q_dtype: torch.dtype) -> bool:
+    """Whether this kernel takes the call: NVFP4, head_dim 128, up to 8 query heads per KV head, 16-bit q."""
+    return (HAVE_GLUON and fmt == "fp4" and head_dim == HEAD_DIM and group <= HEADS
+            and q_dtype in (torch.bfloat16, torch.float16))
+
+
+def q_order() -> torch.Tensor:
+    """Physical head_dim index of each logical K position of the score MMA (module docstring)."""
+    k = torch.arange(HEAD_DIM)
+    j0, gr, j1, j2, j3, h = k & 1, (k >> 1) & 3, (k >> 3) & 1, (k >> 4) & 1, (k >> 5) & 1, k >> 6
+    return 32 * gr + 16 * h + 8 * j3 + 4 * j2 + 2 * j1 + j0
+
+
+def o_order() -> torch.Tensor:
+    """Physical head_dim index of each logical row of the output MMA (module docstring)."""
+    r = torch.arange(HEAD_DIM)
+    hg, j0, j1, w, h = r & 7, (r >> 3) & 1, (r >> 4) & 1, (r >> 5) & 1, r >> 6
+    return 32 * (hg >> 1) + 16 * h + 8 * (hg & 1) + 4 * w + 2 * j1 + j0
+
+
+def emulate_orders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T) v computed through the kernel's logical orders (q [H, D], k / v [S, D]): equal to the
+    plain computation exactly when the orders are permutations that q, K and the output store agree on."""
+    qo, oo = q_order(), o_order()
+    s_t = k[:, qo] @ q[:, qo].T                          # S^T [S, H], K in logical order
+    p_t = torch.softmax(s_t, 0)
+    o_t = v[:, oo].T @ p_t                               # O^T [D (logical rows), H]
+    out = torch.empty(q.shape[1], q.shape[0], dtype=o_t.dtype)
+    out[oo] = o_t                                        # the store: logical row -> physical d
+    return out.T
+
+
+if HAVE_GLUON:
+    @gluon.constexpr_function
+    def _k_layout(tile):
+        """[tile, 4 (group gr), 4 (word w)] int32 K code words: lane (g, t) -> rows g, group t; registers: the
+        4 words of the group (one 16-byte load), row + 8, row + 16 ..."""
+        reg = [[0, 0, 1], [0, 0, 2], [8, 0, 0]]
+        r = 16
+        while r < tile:
+            reg.append([r, 0, 0])
+            r *= 2
+        return gl.DistributedLinearLayout(reg, [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [], [],
+                                          [tile, 4, 4])
+
+    @gluon.constexpr_function
+    def _v_layout(tile):
+        """[tile, 8 (half group hg), 2 (word w)] int32 V code words: lane (g, t) -> half group g, positions 2t
+        (lane bits 0-1 are position bits 1-2); registers: the 2 words (one 8-byte load), position + 1, + 8,
+        + 16 ..."""
+        reg = [[0, 0, 1], [1, 0, 0], [8, 0, 0]]
+        r = 16
+        while r < tile:
+            reg.append([r, 0, 0])
+            r *= 2
+        return gl.DistributedLinearLayout(reg, [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [], [],
+                                          [tile, 8, 2])
+
+    @gluon.jit
+    def _decode(words, sp):
+        """words [R, X, W] int32 code words, sp [R, X] int16 scale pairs -> fp16 [R, X, W, j0, j1, h]:
+        code * 2^-14 * s * 2^5 (exact), byte 4 w + 2 j1 + j0 of the words' 16-byte group, low (h = 0) or high
+        element (w4a16_gluon_gemm's word decode)."""
+        sl, sh = gl.inline_asm_elementwise(_SCALE_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        sl, _ = gl.broadcast(gl.expand_dims(sl, 2), words)
+        sh, _ = gl.broadcast(gl.expand_dims(sh, 2), words)
+        d0, d1, d2, d3 = gl.inline_asm_elementwise(_DECODE_WORD_ASM, "=r,=r,=r,=r,r,r,r", [words, sl, sh],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+        d0a, d0b = _halves(d0)
+        d1a, d1b = _halves(d1)
+        d2a, d2b = _halves(d2)
+        d3a, d3b = _halves(d3)
+        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))
+        hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
+        return gl.join(lo, hi).to(gl.float16, bitcast=True)
+
+    @gluon.jit
+    def _q_pow2(amax):
+        """Per head: f = 2^(141 - e) with amax in [2^(e-127), 2^(e-126)) (amax * f in [2^14, 2^15): fp16 holds
+        the bf16 values of the head exactly); 1 / f. Zero heads (padding) get f = 2^-14."""
+        e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        fe = gl.minimum(gl.maximum(268 - e, 1), 254)
+        return (fe << 23).to(gl.float32, bitcast=True), ((254 - fe) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
+    def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
+                             ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr):
+        """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
+        kv_decode_attention._packed_decode_kernel; attention_combine merges the splits."""
+        D: gl.constexpr = 128
+        N: gl.constexpr = 8
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        kl: gl.constexpr = _k_layout(TILE)
+        vl: gl.constexpr = _v_layout(TILE)
+        rows_c: gl.constexpr = gl.SliceLayout(1, mma)       # positions of S^T, head_dim rows of O^T
+        cols_c: gl.constexpr = gl.SliceLayout(0, mma)       # heads
+
+        b = gl.program_id(0)
+        hk = gl.program_id(1)
+        sp = gl.program_id(2)
+        slot = gl.load(slots_ptr + b).to(gl.int64)
+        seq_len = gl.load(lens_ptr + b).to(gl.int32)
+        per = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
+        s_begin = sp * per
+        s_end = gl.minimum(s_begin + per, seq_len)
+        q_row0 = b * HQ + hk * GROUP
+
+        # Q^T [128 (logical k), 8 heads] in the B fragment layout, gathered in q_order, scaled per head
+        kk = gl.arange(0, D, gl.SliceLayout(1, b_op))
+        d_q = (32 * ((kk >> 1) & 3) + 16 * (kk >> 6) + 8 * ((kk >> 5) & 1) + 4 * ((kk >> 4) & 1)
+               + 2 * ((kk >> 3) & 1) + (kk & 1))
+        nn = gl.arange(0, N, gl.SliceLayout(0, b_op))
+        q = gl.load(q_ptr + gl.expand_dims((q_row0 + nn).to(gl.int64) * D, 0) + gl.expand_dims(d_q, 1),
+                    mask=gl.expand_dims(nn < GROUP, 0), other=0.0).to(gl.float32)
+        f, inv_f = _q_pow2(gl.max(gl.abs(q), 0))
+        q_b = (q * gl.expand_dims(f, 0)).to(gl.float16)
+        # per head: sm_scale * log2(e) (exp2 softmax) * 2^9 (the code offset) / f
+        row_f = gl.convert_layout(inv_f, cols_c) * (qk_scale * 512.0)
+
+        stream = (slot * HKV + hk) * L                       # first row of this (slot, KV head) stream
+        kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32))       # 16 words per row
+        vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32))
+        ks16 = ks_ptr.to(gl.pointer_type(gl.int16))         # 4 scale pairs per row
+        vs16 = vs_ptr.to(gl.pointer_type(gl.int16))
+        k_rows = gl.arange(0, TILE, gl.SliceLayout(1, gl.SliceLayout(2, kl)))
+        k_gr = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, kl)))
+        k_w = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, kl)))
+        k_grw = gl.expand_dims(gl.expand_dims(k_gr * 4, 0), 2) + gl.expand_dims(gl.expand_dims(k_w, 0), 1)
+        v_rows = gl.arange(0, TILE, gl.SliceLayout(1, gl.SliceLayout(2, vl)))
+        v_hg = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(2, vl)))
+        v_w = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, vl)))
+        v_hgw = gl.expand_dims(gl.expand_dims(v_hg * 2, 0), 2) + gl.expand_dims(gl.expand_dims(v_w, 0), 1)
+        c_rows = gl.arange(0, TILE, rows_c)
+
+        m_i = gl.full([N], -float("inf"), gl.float32, cols_c)
+        l_i = gl.zeros([N], gl.float32, cols_c)
+        acc = gl.zeros([D, N], gl.float32, mma)
+        for s0 in range(s_begin, s_end, TILE):
+            last = s_end - 1                                  # rows past the split reread its last row (no
+            rk = stream + gl.minimum(s0 + k_rows, last)       # masks: the loads stay vectors); scores masked
+            kw = gl.load(kw_ptr + gl.expand_dims(gl.expand_dims(rk * 16, 1), 2) + k_grw)
+            ks = gl.load(ks16 + gl.expand_dims(rk * 4, 1) + gl.expand_dims(k_gr, 0))
+            rv = stream + gl.minimum(s0 + v_rows, last)
+            vw = gl.load(vw_ptr + gl.expand_dims(gl.expand_dims(rv * 16, 1), 2) + v_hgw)
+            vs = gl.load(vs16 + gl.expand_dims(rv * 4, 1) + gl.expand_dims(v_hg // 2, 0))
+            pos = s0 + c_rows
+            valid = pos < s_end
+            rc = stream + gl.minimum(pos, last)
+            kr = gl.load(kr_ptr + rc)
+            vr = gl.where(valid, gl.load(vr_ptr + rc), 0.0)
+
+            k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
+            k = gl.convert_layout(gl.reshape(k, [TILE, D]), a_op, assert_trivial=True)
+            s_t = mma_v2(k, q_b, gl.zeros([TILE, N], gl.float32, mma))
+            s_t = s_t * gl.expand_dims(kr, 1) * gl.expand_dims(row_f, 0)
+            s_t = gl.where(gl.expand_dims(valid, 1), s_t, -float("inf"))
+            m_new = gl.maximum(m_i, gl.max(s_t, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s_t - gl.expand_dims(m_new, 0))
+            l_i = l_i * alpha + gl.sum(p, 0)
+            v_top = gl.max(vr, 0)
+            v_top = gl.where(v_top > 0.0, v_top, 1.0)        # an unwritten tile (zeros) must not divide by 0
+            p = p * gl.expand_dims(vr * (1.0 / v_top), 1)
+            p_b = gl.convert_layout(p.to(gl.float16), b_op)
+
+            v = gl.permute(_decode(vw, vs), [5, 2, 4, 3, 1, 0])                  # [h, w, j1, j0, hg, T]
+            v = gl.convert_layout(gl.reshape(v, [D, TILE]), a_op)
+            o = mma_v2(v, p_b, gl.zeros([D, N], gl.float32, mma))
+            acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * 512.0)
+            m_i = m_new
+
+        heads = gl.arange(0, N, cols_c)
+        out_row = (q_row0 + heads) * NUM_SPLITS + sp
+        r = gl.arange(0, D, rows_c)
+        d_o = (32 * ((r & 7) >> 1) + 16 * (r >> 6) + 8 * (r & 1) + 4 * ((r >> 5) & 1) + 2 * ((r >> 4) & 1)
+               + ((r >> 3) & 1))
+        h_mask = heads < GROUP
+        gl.store(acc_ptr + gl.expand_dims(out_row.to(gl.int64) * D, 0) + gl.expand_dims(d_o, 1), acc,
+                 mask=gl.expand_dims(h_mask, 0))
+        gl.store(ml_ptr + out_row * 2, m_i * 0.6931471805599453, mask=h_mask)   # natural-log units
+        gl.store(ml_ptr + out_row * 2 + 1, l_i, mask=h_mask)
+
+
+def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor, lens: torch.Tensor,
+                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, tile: int = TILE) -> dict:
+    """The kernel's arguments by name (the launch and tools/inspect_attention_sm90.py)."""
+    bsz, hq, d = q.shape
+    _, hkv, max_len, _ = keys.codes.shape
+    return dict(q_ptr=q, kc_ptr=keys.codes, ks_ptr=keys.scales, kr_ptr=keys.row_scale, vc_ptr=values.codes,
+                vs_ptr=values.scales, vr_ptr=values.row_scale, slots_ptr=slots, lens_ptr=lens, acc_ptr=acc,
+                ml_ptr=ml, HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=acc.shape[2],
+                qk_scale=sm_scale * LOG2E, TILE=tile)
+
+
+def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
+                           lens: torch.Tensor, sm_scale: float, out: torch.Tensor, num_splits: int,
+                           tile: int = TILE) -> torch.Tensor:
+    """packed_decode_attention's contract (it validates and picks the split count) on this kernel."""
+    bsz, hq, d = q.shape
+    qc = q.contiguous()
+    acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
+    ml = torch.empty((bsz, hq, num_splits, 2), device=q.device, dtype=torch.float32)
+    _gluon_decode_kernel[(bsz, keys.codes.shape[1], num_splits)](
+        **kernel_args(qc, keys, values, slots, lens, acc, ml, sm_scale, tile), num_warps=1)
+    _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=False, num_warps=4)
+    return out
+
+
+def split_count(batch: int, kv_heads: int, max_len: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
+                min_tiles: int = MIN_TILES, tile: int = TILE) -> int:
+    """kv_decode_attention.split_count for one-warp programs (a power of two, static per batch bucket)."""
+    want = triton.next_power_of_2(triton.cdiv(sms * programs_per_sm, max(1, batch * kv_heads)))
+    cap = triton.next_power_of_2(triton.cdiv(max_len, tile * min_tiles))
+    return max(1, min(want, cap))
