@@ -142,9 +142,26 @@ if HAVE_GLUON:
         fe = gl.minimum(gl.maximum(268 - e, 1), 254)
         return (fe << 23).to(gl.float32, bitcast=True), ((254 - fe) << 23).to(gl.float32, bitcast=True)
 
+    @gluon.jit
+    def _load_tile(s0, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr, vr_ptr, k_rows, k_gr, k_grw, v_rows, v_hg,
+                   v_hgw, c_rows):
+        """One trip's bytes: K / V code words, scale pairs and row scales of positions s0 .. s0 + TILE. Rows past
+        the split reread its last row (no masks: the loads stay 16- and 8-byte vectors; the caller masks the
+        scores), so a prefetch past the end is harmless."""
+        last = s_end - 1
+        rk = stream + gl.minimum(s0 + k_rows, last)
+        kw = gl.load(kw_ptr + gl.expand_dims(gl.expand_dims(rk * 16, 1), 2) + k_grw)
+        ks = gl.load(ks16 + gl.expand_dims(rk * 4, 1) + gl.expand_dims(k_gr, 0))
+        rv = stream + gl.minimum(s0 + v_rows, last)
+        vw = gl.load(vw_ptr + gl.expand_dims(gl.expand_dims(rv * 16, 1), 2) + v_hgw)
+        vs = gl.load(vs16 + gl.expand_dims(rv * 4, 1) + gl.expand_dims(v_hg // 2, 0))
+        rc = stream + gl.minimum(s0 + c_rows, last)
+        return kw, ks, vw, vs, gl.load(kr_ptr + rc), gl.load(vr_ptr + rc)
+
     @gluon.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
-                             ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr):
+                             ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
+                             PREFETCH: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits."""
         D: gl.constexpr = 128
@@ -197,20 +214,15 @@ if HAVE_GLUON:
         m_i = gl.full([N], -float("inf"), gl.float32, cols_c)
         l_i = gl.zeros([N], gl.float32, cols_c)
         acc = gl.zeros([D, N], gl.float32, mma)
+        if PREFETCH:     # this trip's bytes were loaded during the previous one
+            kw, ks, vw, vs, kr, vr = _load_tile(s_begin, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr, vr_ptr,
+                                                k_rows, k_gr, k_grw, v_rows, v_hg, v_hgw, c_rows)
         for s0 in range(s_begin, s_end, TILE):
-            last = s_end - 1                                  # rows past the split reread its last row (no
-            rk = stream + gl.minimum(s0 + k_rows, last)       # masks: the loads stay vectors); scores masked
-            kw = gl.load(kw_ptr + gl.expand_dims(gl.expand_dims(rk * 16, 1), 2) + k_grw)
-            ks = gl.load(ks16 + gl.expand_dims(rk * 4, 1) + gl.expand_dims(k_gr, 0))
-            rv = stream + gl.minimum(s0 + v_rows, last)
-            vw = gl.load(vw_ptr + gl.expand_dims(gl.expand_dims(rv * 16, 1), 2) + v_hgw)
-            vs = gl.load(vs16 + gl.expand_dims(rv * 4, 1) + gl.expand_dims(v_hg // 2, 0))
-            pos = s0 + c_rows
-            valid = pos < s_end
-            rc = stream + gl.minimum(pos, last)
-            kr = gl.load(kr_ptr + rc)
-            vr = gl.where(valid, gl.load(vr_ptr + rc), 0.0)
-
+            if not PREFETCH:
+                kw, ks, vw, vs, kr, vr = _load_tile(s0, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr, vr_ptr,
+                                                    k_rows, k_gr, k_grw, v_rows, v_hg, v_hgw, c_rows)
+            valid = s0 + c_rows < s_end
+            vr = gl.where(valid, vr, 0.0)
             k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
             k = gl.convert_layout(gl.reshape(k, [TILE, D]), a_op, assert_trivial=True)
             s_t = mma_v2(k, q_b, gl.zeros([TILE, N], gl.float32, mma))
@@ -230,6 +242,9 @@ if HAVE_GLUON:
             o = mma_v2(v, p_b, gl.zeros([D, N], gl.float32, mma))
             acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * 512.0)
             m_i = m_new
+            if PREFETCH:
+                kw, ks, vw, vs, kr, vr = _load_tile(s0 + TILE, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr,
+                                                    vr_ptr, k_rows, k_gr, k_grw, v_rows, v_hg, v_hgw, c_rows)
 
         heads = gl.arange(0, N, cols_c)
         out_row = (q_row0 + heads) * NUM_SPLITS + sp
@@ -244,26 +259,26 @@ if HAVE_GLUON:
 
 
 def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor, lens: torch.Tensor,
-                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, tile: int = TILE) -> dict:
+                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, tile: int = TILE, prefetch: bool = True) -> dict:
     """The kernel's arguments by name (the launch and tools/inspect_attention_sm90.py)."""
     bsz, hq, d = q.shape
     _, hkv, max_len, _ = keys.codes.shape
     return dict(q_ptr=q, kc_ptr=keys.codes, ks_ptr=keys.scales, kr_ptr=keys.row_scale, vc_ptr=values.codes,
                 vs_ptr=values.scales, vr_ptr=values.row_scale, slots_ptr=slots, lens_ptr=lens, acc_ptr=acc,
                 ml_ptr=ml, HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=acc.shape[2],
-                qk_scale=sm_scale * LOG2E, TILE=tile)
+                qk_scale=sm_scale * LOG2E, TILE=tile, PREFETCH=prefetch)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
                            lens: torch.Tensor, sm_scale: float, out: torch.Tensor, num_splits: int,
-                           tile: int = TILE) -> torch.Tensor:
+                           tile: int = TILE, prefetch: bool = True) -> torch.Tensor:
     """packed_decode_attention's contract (it validates and picks the split count) on this kernel."""
     bsz, hq, d = q.shape
     qc = q.contiguous()
     acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
     ml = torch.empty((bsz, hq, num_splits, 2), device=q.device, dtype=torch.float32)
     _gluon_decode_kernel[(bsz, keys.codes.shape[1], num_splits)](
-        **kernel_args(qc, keys, values, slots, lens, acc, ml, sm_scale, tile), num_warps=1)
+        **kernel_args(qc, keys, values, slots, lens, acc, ml, sm_scale, tile, prefetch), num_warps=1)
     _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=False, num_warps=4)
     return out
 

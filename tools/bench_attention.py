@@ -47,7 +47,7 @@ def sweep(fmt: str, mode: str) -> list[dict]:
                for p in (2, 3, 4)]
         if fmt != "nvfp4":
             return default + tri
-        gl = [dict(kernel="gluon", programs_per_sm=p) for p in (8, 32)] + [
+        gl = [dict(kernel="gluon", prefetch=False)] + [dict(kernel="gluon", programs_per_sm=p) for p in (8, 32)] + [
             dict(kernel="gluon", block_s=64), dict(kernel="gluon", block_s=64, programs_per_sm=8),
             dict(kernel="gluon", block_s=16, programs_per_sm=32), dict(kernel="gluon", min_blocks=1),
             dict(kernel="gluon", min_blocks=8)]
@@ -69,7 +69,7 @@ def config_name(cfg: dict) -> str:
     if not cfg:
         return "default"
     short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
-             "decode": "", "kernel": ""}
+             "decode": "", "kernel": "", "prefetch": "pf"}
     return "/".join(f"{short[k]}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 

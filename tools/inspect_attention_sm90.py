@@ -48,7 +48,7 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     ml = torch.zeros((slots, hkv * group, splits, 2), dtype=torch.float32)
     if kernel == "gluon":
         fn = g._gluon_decode_kernel
-        kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s)
+        kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, prefetch=decode != "noprefetch")
     else:
         fn = getattr(m, kernel)
         kwargs = m.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, decode=decode, fp8_native=True)
@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--kernel", default="_packed_decode_kernel")
-    ap.add_argument("--decode", default="word", help="NVFP4 code decode (kv_decode_attention.DECODERS)")
+    ap.add_argument("--decode", default="word", help="NVFP4 code decode (kv_decode_attention.DECODERS; "
+                    "for --kernel gluon: 'noprefetch' turns its prefetch off)")
     ap.add_argument("--dump", default="", help="write ttgir, ptx and sass here")
     a = ap.parse_args(argv)
     for fmt in a.fmt.split(","):
