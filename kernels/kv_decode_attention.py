@@ -364,9 +364,9 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     if gluon_ok and kernel != "triton":
         tile = block_s or kv_decode_gluon.TILE
         if num_splits is None:
-            num_splits = kv_decode_gluon.split_count(bsz, hkv, max_len, _sm_count(q.device),
-                                                     programs_per_sm or kv_decode_gluon.PROGRAMS_PER_SM,
-                                                     min_blocks or kv_decode_gluon.MIN_TILES, tile)
+            num_splits = split_count(bsz, hkv, max_len, tile, _sm_count(q.device),
+                                     programs_per_sm or kv_decode_gluon.PROGRAMS_PER_SM,
+                                     min_blocks or kv_decode_gluon.MIN_TILES)
         return kv_decode_gluon.gluon_decode_attention(q, keys, values, slots, lens, sm_scale, out,
                                                       triton.next_power_of_2(num_splits), tile,
                                                       tile <= 32 if prefetch is None else prefetch)

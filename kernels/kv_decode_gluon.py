@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV
@@ -40,7 +39,7 @@ from .kv_layout import PackedKV
 TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 steps of P.V)
 HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
-PROGRAMS_PER_SM = 16  # one-warp programs: split target (batch * kv_heads * splits >= this many per SM)
+PROGRAMS_PER_SM = 16  # one-warp programs: split target for kv_decode_attention.split_count
 MIN_TILES = 4         # ... but a split keeps at least this many TILE steps
 LOG2E = math.log2(math.e)
 
@@ -282,10 +281,3 @@ def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, sl
     _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=False, num_warps=4)
     return out
 
-
-def split_count(batch: int, kv_heads: int, max_len: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
-                min_tiles: int = MIN_TILES, tile: int = TILE) -> int:
-    """kv_decode_attention.split_count for one-warp programs (a power of two, static per batch bucket)."""
-    want = triton.next_power_of_2(triton.cdiv(sms * programs_per_sm, max(1, batch * kv_heads)))
-    cap = triton.next_power_of_2(triton.cdiv(max_len, tile * min_tiles))
-    return max(1, min(want, cap))
