@@ -95,3 +95,8 @@ def prepare_weight(fmt: str, packed: torch.Tensor, scales: torch.Tensor,
 
 __all__ = ["WEIGHT_LAYOUTS", "available", "fake_quant", "interpreter_enabled", "mxfp4_quantize", "nvfp4_quantize",
            "prepare_weight", "quant_dequant", "use_triton"]
+
+
+if __name__ == "kernels":      # imported by its directory name, not as megatron_qrl.kernels: see _toplevel_name
+    from ._toplevel_name import yield_to_installed as _yield_to_installed
+    _yield_to_installed()

@@ -496,15 +496,9 @@ def _child(device: str, out: str, names: list[str]) -> None:
 
 
 def _import_kernels():
-    """megatron_qrl.kernels; in a plain checkout on PYTHONPATH (no install), the top-level kernels/ package."""
-    try:
-        import megatron_qrl.kernels as K
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import megatron_qrl
-        import kernels as K
-        sys.modules["megatron_qrl.kernels"] = K
-        megatron_qrl.kernels = K
+    """megatron_qrl.kernels (in a plain checkout on PYTHONPATH, megatron_qrl/__init__.py maps the top-level
+    kernels/ directory to that name)."""
+    import megatron_qrl.kernels as K
     return K
 
 

@@ -30,13 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-try:
-    import megatron_qrl.kernels  # noqa: F401
-except ImportError:  # a plain checkout on PYTHONPATH: the top-level kernels/ package is megatron_qrl.kernels
-    import megatron_qrl
-    import kernels
-    sys.modules["megatron_qrl.kernels"] = kernels
-    megatron_qrl.kernels = kernels
+import megatron_qrl.kernels  # noqa: E402,F401  (a plain checkout: megatron_qrl/__init__.py maps kernels/ to it)
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
