@@ -39,8 +39,10 @@ from .kv_layout import PackedKV
 TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 steps of P.V)
 HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
-PROGRAMS_PER_SM = 16  # one-warp programs: split target for kv_decode_attention.split_count
-MIN_TILES = 4         # ... but a split keeps at least this many TILE steps
+# split defaults: the best of tools/bench_attention.py's sweep at 7 of 10 shapes (H100, 2026-12-06: 8 one-warp
+# programs per SM; 8 trips per split at 32/4 heads, batch 16, where fewer, longer splits won)
+PROGRAMS_PER_SM = 8   # one-warp programs: split target for kv_decode_attention.split_count
+MIN_TILES = 8         # ... but a split keeps at least this many TILE steps
 LOG2E = math.log2(math.e)
 
 try:  # Gluon ships with Triton >= 3.5
