@@ -366,7 +366,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
         if num_splits is None:
             num_splits = split_count(bsz, hkv, max_len, tile, _sm_count(q.device),
                                      programs_per_sm or kv_decode_gluon.PROGRAMS_PER_SM,
-                                     min_blocks or kv_decode_gluon.MIN_TILES)
+                                     min_blocks or kv_decode_gluon.default_min_tiles(bsz, hkv, max_len,
+                                                                                     _sm_count(q.device), tile))
         return kv_decode_gluon.gluon_decode_attention(q, keys, values, slots, lens, sm_scale, out,
                                                       triton.next_power_of_2(num_splits), tile,
                                                       tile <= 32 if prefetch is None else prefetch)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV
@@ -39,10 +40,10 @@ from .kv_layout import PackedKV
 TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 steps of P.V)
 HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
-# split defaults: the best of tools/bench_attention.py's sweep at 7 of 10 shapes (H100, 2026-12-06: 8 one-warp
-# programs per SM; 8 trips per split at 32/4 heads, batch 16, where fewer, longer splits won)
+# split defaults (`default_min_tiles`): tools/bench_attention.py's sweep on an H100, 2026-12-06 (docs/PERF.md)
 PROGRAMS_PER_SM = 8   # one-warp programs: split target for kv_decode_attention.split_count
 MIN_TILES = 8         # ... but a split keeps at least this many TILE steps
+SMALL_GRID_MIN_TILES = 4  # ... or this many where 8-trip splits leave fewer than 2 programs per SM
 LOG2E = math.log2(math.e)
 
 try:  # Gluon ships with Triton >= 3.5
@@ -55,6 +56,13 @@ try:  # Gluon ships with Triton >= 3.5
         from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _halves
 except Exception:  # pragma: no cover - an old Triton: packed_decode_attention keeps the Triton kernel
     HAVE_GLUON = False
+
+
+def default_min_tiles(batch: int, kv_heads: int, max_len: int, sms: int, tile: int = TILE) -> int:
+    """Trips per split: 8 (per-program work beats more programs: 32/4 heads, batch 16: 1.50x SDPA against
+    1.14x at 4), unless 8-trip splits leave fewer than 2 programs per SM (batch 1: 14.9 us at 4 against 18.4)."""
+    splits_at_8 = triton.next_power_of_2(triton.cdiv(max_len, tile * MIN_TILES))
+    return MIN_TILES if batch * kv_heads * splits_at_8 >= 2 * sms else SMALL_GRID_MIN_TILES
 
 
 def supported(fmt: str, head_dim: int, group: int, q_dtype: torch.dtype) -> bool:
