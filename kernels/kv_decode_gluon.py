@@ -38,6 +38,7 @@ from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV
 
 TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 steps of P.V)
+RING_STAGES = 3      # prefetch=2: shared-memory slots of the cp.async ring of code words
 HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
 # split defaults (`default_min_tiles`): tools/bench_attention.py's sweep on an H100, 2026-12-06 (docs/PERF.md)
@@ -49,7 +50,7 @@ LOG2E = math.log2(math.e)
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     from .w4a16_gluon_gemm import HAVE_GLUON
     if HAVE_GLUON:
@@ -152,25 +153,31 @@ if HAVE_GLUON:
         return (fe << 23).to(gl.float32, bitcast=True), ((254 - fe) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _load_tile(s0, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr, vr_ptr, k_rows, k_gr, k_grw, v_rows, v_hg,
-                   v_hgw, c_rows):
-        """One trip's bytes: K / V code words, scale pairs and row scales of positions s0 .. s0 + TILE. Rows past
-        the split reread its last row (no masks: the loads stay 16- and 8-byte vectors; the caller masks the
-        scores), so a prefetch past the end is harmless."""
+    def _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw):
+        """Addresses of one trip's K / V code words (positions s0 .. s0 + TILE). Rows past the split reread its
+        last row (no masks: the loads stay 16- and 8-byte vectors; the caller masks the scores), so a prefetch
+        past the end is harmless."""
         last = s_end - 1
         rk = stream + gl.minimum(s0 + k_rows, last)
-        kw = gl.load(kw_ptr + gl.expand_dims(gl.expand_dims(rk * 16, 1), 2) + k_grw)
-        ks = gl.load(ks16 + gl.expand_dims(rk * 4, 1) + gl.expand_dims(k_gr, 0))
         rv = stream + gl.minimum(s0 + v_rows, last)
-        vw = gl.load(vw_ptr + gl.expand_dims(gl.expand_dims(rv * 16, 1), 2) + v_hgw)
-        vs = gl.load(vs16 + gl.expand_dims(rv * 4, 1) + gl.expand_dims(v_hg // 2, 0))
+        return (kw_ptr + gl.expand_dims(gl.expand_dims(rk * 16, 1), 2) + k_grw,
+                vw_ptr + gl.expand_dims(gl.expand_dims(rv * 16, 1), 2) + v_hgw)
+
+    @gluon.jit
+    def _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows, v_hg, c_rows):
+        """One trip's K / V scale pairs and row scales (rows clamped like _word_ptrs)."""
+        last = s_end - 1
+        rk = stream + gl.minimum(s0 + k_rows, last)
+        rv = stream + gl.minimum(s0 + v_rows, last)
         rc = stream + gl.minimum(s0 + c_rows, last)
-        return kw, ks, vw, vs, gl.load(kr_ptr + rc), gl.load(vr_ptr + rc)
+        return (gl.load(ks16 + gl.expand_dims(rk * 4, 1) + gl.expand_dims(k_gr, 0)),
+                gl.load(vs16 + gl.expand_dims(rv * 4, 1) + gl.expand_dims(v_hg // 2, 0)),
+                gl.load(kr_ptr + rc), gl.load(vr_ptr + rc))
 
     @gluon.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
                              ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
-                             PREFETCH: gl.constexpr):
+                             PREFETCH: gl.constexpr, STAGES: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits."""
         D: gl.constexpr = 128
@@ -223,13 +230,44 @@ if HAVE_GLUON:
         m_i = gl.full([N], -float("inf"), gl.float32, cols_c)
         l_i = gl.zeros([N], gl.float32, cols_c)
         acc = gl.zeros([D, N], gl.float32, mma)
-        if PREFETCH:     # this trip's bytes were loaded during the previous one
-            kw, ks, vw, vs, kr, vr = _load_tile(s_begin, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr, vr_ptr,
-                                                k_rows, k_gr, k_grw, v_rows, v_hg, v_hgw, c_rows)
+        # PREFETCH 1: the next trip's bytes load into registers at the end of this one (ptxas keeps them late).
+        # PREFETCH 2: the code words go through a ring of STAGES shared-memory slots by cp.async, issued
+        # STAGES - 1 trips ahead (each lane reads back the bytes it copied: no barrier); scales as in 1.
+        if PREFETCH == 2:
+            ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+            kw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 4, 4], ring)
+            vw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 8, 2], ring)
+            for st in gl.static_range(STAGES - 1):
+                kwp, vwp = _word_ptrs(s_begin + st * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows,
+                                      v_hgw)
+                async_copy.async_copy_global_to_shared(kw_s.index(st), kwp)
+                async_copy.async_copy_global_to_shared(vw_s.index(st), vwp)
+                async_copy.commit_group()
+        if PREFETCH > 0:     # this trip's bytes were loaded during the previous one
+            ks, vs, kr, vr = _load_scales(s_begin, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
+                                          v_hg, c_rows)
+        if PREFETCH == 1:
+            kwp, vwp = _word_ptrs(s_begin, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw)
+            kw = gl.load(kwp)
+            vw = gl.load(vwp)
         for s0 in range(s_begin, s_end, TILE):
-            if not PREFETCH:
-                kw, ks, vw, vs, kr, vr = _load_tile(s0, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr, vr_ptr,
-                                                    k_rows, k_gr, k_grw, v_rows, v_hg, v_hgw, c_rows)
+            if PREFETCH == 0:
+                kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw)
+                kw = gl.load(kwp)
+                vw = gl.load(vwp)
+                ks, vs, kr, vr = _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
+                                              v_hg, c_rows)
+            if PREFETCH == 2:
+                i = (s0 - s_begin) // TILE
+                ahead = (i + STAGES - 1) % STAGES
+                kwp, vwp = _word_ptrs(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw,
+                                      v_rows, v_hgw)
+                async_copy.async_copy_global_to_shared(kw_s.index(ahead), kwp)
+                async_copy.async_copy_global_to_shared(vw_s.index(ahead), vwp)
+                async_copy.commit_group()
+                async_copy.wait_group(STAGES - 1)
+                kw = kw_s.index(i % STAGES).load(kl)
+                vw = vw_s.index(i % STAGES).load(vl)
             valid = s0 + c_rows < s_end
             vr = gl.where(valid, vr, 0.0)
             k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
@@ -251,9 +289,13 @@ if HAVE_GLUON:
             o = mma_v2(v, p_b, gl.zeros([D, N], gl.float32, mma))
             acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * 512.0)
             m_i = m_new
-            if PREFETCH:
-                kw, ks, vw, vs, kr, vr = _load_tile(s0 + TILE, s_end, stream, kw_ptr, ks16, vw_ptr, vs16, kr_ptr,
-                                                    vr_ptr, k_rows, k_gr, k_grw, v_rows, v_hg, v_hgw, c_rows)
+            if PREFETCH > 0:
+                ks, vs, kr, vr = _load_scales(s0 + TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
+                                              v_rows, v_hg, c_rows)
+            if PREFETCH == 1:
+                kwp, vwp = _word_ptrs(s0 + TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw)
+                kw = gl.load(kwp)
+                vw = gl.load(vwp)
 
         heads = gl.arange(0, N, cols_c)
         out_row = (q_row0 + heads) * NUM_SPLITS + sp
@@ -268,19 +310,19 @@ if HAVE_GLUON:
 
 
 def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor, lens: torch.Tensor,
-                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, tile: int = TILE, prefetch: bool = True) -> dict:
+                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, tile: int = TILE, prefetch: int = 1) -> dict:
     """The kernel's arguments by name (the launch and tools/inspect_attention_sm90.py)."""
     bsz, hq, d = q.shape
     _, hkv, max_len, _ = keys.codes.shape
     return dict(q_ptr=q, kc_ptr=keys.codes, ks_ptr=keys.scales, kr_ptr=keys.row_scale, vc_ptr=values.codes,
                 vs_ptr=values.scales, vr_ptr=values.row_scale, slots_ptr=slots, lens_ptr=lens, acc_ptr=acc,
                 ml_ptr=ml, HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=acc.shape[2],
-                qk_scale=sm_scale * LOG2E, TILE=tile, PREFETCH=prefetch)
+                qk_scale=sm_scale * LOG2E, TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
                            lens: torch.Tensor, sm_scale: float, out: torch.Tensor, num_splits: int,
-                           tile: int = TILE, prefetch: bool = True) -> torch.Tensor:
+                           tile: int = TILE, prefetch: int = 1) -> torch.Tensor:
     """packed_decode_attention's contract (it validates and picks the split count) on this kernel."""
     bsz, hq, d = q.shape
     qc = q.contiguous()

@@ -119,7 +119,9 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
                     kernel="triton"), dict(decode="pair", kernel="triton"), dict(decode="word", kernel="triton"),
                     dict(decode="word_early", num_warps=8, kernel="triton")]
         if fmt == "fp4" and dtype == torch.bfloat16:     # the Gluon kernel (also the default {} here)
-            configs += [dict(kernel="gluon"), dict(kernel="gluon", num_splits=1), dict(kernel="gluon", num_splits=64)]
+            configs += [dict(kernel="gluon"), dict(kernel="gluon", num_splits=1), dict(kernel="gluon", num_splits=64),
+                        dict(kernel="gluon", prefetch=0), dict(kernel="gluon", prefetch=2),
+                        dict(kernel="gluon", prefetch=2, num_splits=1), dict(kernel="gluon", block_s=64)]
     for cfg in configs:
         out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
         assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out

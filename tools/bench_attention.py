@@ -47,12 +47,11 @@ def sweep(fmt: str, mode: str) -> list[dict]:
                for p in (2, 3, 4)]
         if fmt != "nvfp4":
             return default + tri
-        gl = [dict(kernel="gluon", prefetch=False)] + [dict(kernel="gluon", programs_per_sm=p) for p in (8, 32)] + [
-            dict(kernel="gluon", block_s=64), dict(kernel="gluon", block_s=64, programs_per_sm=8),
-            dict(kernel="gluon", block_s=16, programs_per_sm=32), dict(kernel="gluon", min_blocks=1),
-            dict(kernel="gluon", min_blocks=8)]
-        return default + gl + [dict(kernel="triton", **t) for t in tri[:3]] + [dict(kernel="triton",
-                                                                                      decode="word_early")]
+        gl = [dict(kernel="gluon", prefetch=p) for p in (0, 2)] + [
+            dict(kernel="gluon", prefetch=2, programs_per_sm=p) for p in (4, 16)] + [
+            dict(kernel="gluon", prefetch=2, min_blocks=m) for m in (4, 16)] + [
+            dict(kernel="gluon", block_s=16, prefetch=2), dict(kernel="gluon", programs_per_sm=16)]
+        return default + gl + [dict(kernel="triton", **t) for t in tri[1:3]]
     if mode != "all":
         return default
     tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_gluon_sm90 import cuobjdump, regs_of  # noqa: E402
 
+MAXNREG = int(os.environ.get("MAXNREG", "0"))   # cap the registers (ptxas), as a launch would with maxnreg
 PIPES = [("ldg", r"^LDG"), ("ldgsts", r"^LDGSTS"), ("lds", r"^LDS(?!M)"), ("ldsm", r"^LDSM"), ("sts", r"^STS"),
          ("stg", r"^STG"), ("mma", r"^(HMMA|HGMMA|QGMMA|IMMA)"), ("mufu", r"^MUFU"),
          ("fp32", r"^(FADD|FMUL|FFMA|FMNMX|FSEL|FSETP|FCHK)"), ("fp16", r"^(HADD2|HMUL2|HFMA2|HMNMX2|HSET)"),
@@ -48,7 +49,7 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     ml = torch.zeros((slots, hkv * group, splits, 2), dtype=torch.float32)
     if kernel == "gluon":
         fn = g._gluon_decode_kernel
-        kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, prefetch=decode != "noprefetch")
+        kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, prefetch={"noprefetch": 0, "prefetch2": 2}.get(decode, 1))
     else:
         fn = getattr(m, kernel)
         kwargs = m.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, decode=decode, fp8_native=True)
@@ -65,7 +66,8 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
         from triton.experimental.gluon._runtime import GluonASTSource
         source = GluonASTSource(fn, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({"maxnreg": MAXNREG} if MAXNREG else {})))
 
 
 def hottest_loop(sass: str) -> list[str]:
