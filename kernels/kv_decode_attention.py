@@ -338,8 +338,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     per KV head, 16-bit q, CUDA) or "auto" (gluon where it applies). Tunables (None: the chosen kernel's
     default): block_s (positions per loop trip), num_splits (or programs_per_sm / min_blocks for the split
     count); the Triton kernel's num_warps / num_stages / decode (how NVFP4 codes become float16: DECODERS); the
-    Gluon kernel's prefetch (0: none; 1: the next trip's bytes load into registers during this one, the default
-    up to 32-position trips, where its registers allow it; 2: code words through a 3-slot cp.async ring).
+    Gluon kernel's prefetch (0: none; 1: the next trip's bytes load into registers during this one; 2, the
+    default up to 32-position trips: code words through a 3-slot cp.async ring).
     tools/bench_attention.py sweeps them."""
     bsz, hq, d = q.shape
     if keys.fmt != values.fmt or keys.codes.shape != values.codes.shape:
@@ -370,7 +370,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
                                                                                      _sm_count(q.device), tile))
         return kv_decode_gluon.gluon_decode_attention(q, keys, values, slots, lens, sm_scale, out,
                                                       triton.next_power_of_2(num_splits), tile,
-                                                      int(tile <= 32) if prefetch is None else prefetch)
+                                                      (kv_decode_gluon.PREFETCH if tile <= 32 else 0)
+                                                      if prefetch is None else prefetch)
     block_s = block_s or BLOCK_S
     if num_splits is None:
         num_splits = split_count(bsz, hkv, max_len, block_s, _sm_count(q.device), programs_per_sm or PROGRAMS_PER_SM,

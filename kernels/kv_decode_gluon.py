@@ -41,10 +41,12 @@ TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 ste
 RING_STAGES = 3      # prefetch=2: shared-memory slots of the cp.async ring of code words
 HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
-# split defaults (`default_min_tiles`): tools/bench_attention.py's sweep on an H100, 2026-12-06 (docs/PERF.md)
-PROGRAMS_PER_SM = 8   # one-warp programs: split target for kv_decode_attention.split_count
-MIN_TILES = 8         # ... but a split keeps at least this many TILE steps
-SMALL_GRID_MIN_TILES = 4  # ... or this many where 8-trip splits leave fewer than 2 programs per SM
+# defaults: tools/bench_attention.py's sweeps on an H100, 2026-12-06 (docs/PERF.md): the cp.async ring of code
+# words (prefetch 2) with long splits; `default_min_tiles` picks the trips per split
+PREFETCH = 2
+PROGRAMS_PER_SM = 4   # one-warp programs: split target for kv_decode_attention.split_count
+MIN_TILES = 16        # ... but a split keeps at least this many TILE steps
+SMALL_GRID_MIN_TILES = 4  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
 LOG2E = math.log2(math.e)
 
 try:  # Gluon ships with Triton >= 3.5
@@ -60,10 +62,11 @@ except Exception:  # pragma: no cover - an old Triton: packed_decode_attention k
 
 
 def default_min_tiles(batch: int, kv_heads: int, max_len: int, sms: int, tile: int = TILE) -> int:
-    """Trips per split: 8 (per-program work beats more programs: 32/4 heads, batch 16: 1.50x SDPA against
-    1.14x at 4), unless 8-trip splits leave fewer than 2 programs per SM (batch 1: 14.9 us at 4 against 18.4)."""
-    splits_at_8 = triton.next_power_of_2(triton.cdiv(max_len, tile * MIN_TILES))
-    return MIN_TILES if batch * kv_heads * splits_at_8 >= 2 * sms else SMALL_GRID_MIN_TILES
+    """Trips per split: 16 (the ring fills once per program, so long programs win: 32/4 heads, batch 16: 37.6 us
+    at 8 splits against 39.8 at 16), unless 16-trip splits leave fewer than 2 programs per SM (batch 1: 15.7 us
+    at 64 splits against 27.1 at 16)."""
+    splits_at_min = triton.next_power_of_2(triton.cdiv(max_len, tile * MIN_TILES))
+    return MIN_TILES if batch * kv_heads * splits_at_min >= 2 * sms else SMALL_GRID_MIN_TILES
 
 
 def supported(fmt: str, head_dim: int, group: int, q_dtype: torch.dtype) -> bool:

@@ -155,12 +155,13 @@ def test_gluon_kernel_request_off_gpu_is_a_clear_error():
         packed_decode_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([3, 5]), 0.1, kernel="gluon")
 
 
-def test_gluon_splits_take_8_trips_unless_the_grid_would_leave_sms_idle():
+def test_gluon_splits_take_16_trips_unless_the_grid_would_leave_sms_idle():
     from megatron_qrl.kernels import kv_decode_gluon as kg
-    assert kg.default_min_tiles(16, 4, 4096, 132) == 8        # 64 (row, head) pairs x 16 splits: 1024 programs
-    assert kg.default_min_tiles(1, 8, 8192, 132) == 4         # 8 pairs x 32 splits = 256 < 2 per SM
-    assert split_count(16, 4, 4096, 32, 132, kg.PROGRAMS_PER_SM, kg.default_min_tiles(16, 4, 4096, 132)) == 16
+    assert kg.default_min_tiles(16, 4, 4096, 132) == 16       # 64 (row, head) pairs x 8 splits: 512 programs
+    assert kg.default_min_tiles(1, 8, 8192, 132) == 4         # 8 pairs x 16 splits = 128 < 2 per SM
+    assert split_count(16, 4, 4096, 32, 132, kg.PROGRAMS_PER_SM, kg.default_min_tiles(16, 4, 4096, 132)) == 8
     assert split_count(1, 4, 8192, 32, 132, kg.PROGRAMS_PER_SM, kg.default_min_tiles(1, 4, 8192, 132)) == 64
+    assert split_count(128, 8, 4096, 32, 132, kg.PROGRAMS_PER_SM, kg.default_min_tiles(128, 8, 4096, 132)) == 1
 
 
 def test_split_count_fills_the_gpu_and_stays_static():
