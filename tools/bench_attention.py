@@ -59,7 +59,8 @@ def sweep(fmt: str, mode: str) -> list[dict]:
                      for b, w, s in tiles for p in (2, 4, 8)]
     out += [dict(min_blocks=1), dict(min_blocks=4), dict(num_stages=1)]
     if fmt == "nvfp4":      # the code decoders (kv_decode_attention.DECODERS) on the two best tiles of 2026-12-02
-        out += [dict(decode=d, **t) for d in ("pair", "word", "word_early")
+        decoders = ("pair", "word", "word_early") if bk.DEV == "cuda" else ("bits",)    # inline PTX: GPU only
+        out += [dict(decode=d, **t) for d in decoders
                 for t in (dict(), dict(block_s=64, num_warps=4, num_stages=2, programs_per_sm=4))]
     return out
 
