@@ -1,5 +1,5 @@
 """Decode attention over the packed NVFP4 KV cache on Hopper, written in Gluon: one warp per program, the K and V
-tiles decoded straight into MMA registers (no shared memory, no barrier in the loop).
+tiles decoded straight into MMA registers (no layout change through shared memory, no barrier between warps).
 
 Why: the Triton kernel (kv_decode_attention.py) spends its time in instructions, not bytes. On sm_90a its loop
 issues ~48 warp instructions per cached position at 32/4 heads, a third of them register moves that rebuild
@@ -21,6 +21,9 @@ TB/s (docs/PERF.md). Here each lane loads exactly the bytes its MMA fragments ho
   (`o_order`), undone at the store. P^T comes from the score accumulator with one layout conversion.
 * Softmax over positions is a reduction across the lanes of one warp (shuffles). The GQA group is the MMA's N,
   not its M: no softmax work on padding rows at 8 query heads per KV head.
+* The bytes arrive ahead of their trip (PREFETCH): by default the code words through a ring of shared-memory
+  slots filled by cp.async two trips ahead (each lane reads back what it copied), the scales one trip ahead in
+  registers.
 Numerics are the Triton kernel's (code * s * 2^-9 in fp16, exact; q scaled per head by a power of two into
 fp16; fp32 accumulation; p * (vr / max vr) in fp16), so the two agree to fp32 rounding order.
 
