@@ -49,9 +49,9 @@ LOG2E = 1.4426950408889634
 BLOCK_S = 128
 PROGRAMS_PER_SM = 4      # split target: batch * kv_heads * splits >= this many programs per SM
 MIN_BLOCKS = 2           # ... but a split of a full-length row keeps at least this many BLOCK_S steps
-# NVFP4 code decode: bit operations (any backend, the interpreter's), inline PTX on 2 bytes, on 4 bytes, on 4
-# bytes kept where the tile was loaded, or on 4 bytes read as two 16-bit elements (GPU; _dequant_fp4, _load_fp4)
-DECODERS = ("bits", "pair", "word", "word_early", "halfword")
+# NVFP4 code decode: bit operations (any backend, the interpreter's), inline PTX on 2 bytes, on 4 bytes, or on 4
+# bytes kept where the tile was loaded (GPU; _dequant_fp4)
+DECODERS = ("bits", "pair", "word", "word_early")
 
 
 @triton.jit
@@ -127,52 +127,13 @@ def _dequant_fp4(b, sb, BLOCK_S: tl.constexpr, HALF: tl.constexpr, DECODE: tl.co
     return out
 
 
-# Two 16-bit elements (four code bytes b0..b3, one register) -> four float16 pairs: the low elements of the even
-# bytes (b0, b2), of the odd bytes (b1, b3), the high elements of the even and of the odd bytes.
-_DECODE_HALFWORD_ASM = tl.constexpr("""{
-.reg .b32 t0, t1, a, c;
-prmt.b32 t0, $4, 0, 0x2404;
-prmt.b32 t1, $4, 0, 0x3414;
-and.b32 $0, t0, 0x8E008E00;
-and.b32 $1, t1, 0x8E008E00;
-shr.b32 a, t0, 3;
-shl.b32 c, t0, 7;
-lop3.b32 $2, a, c, 0x8E008E00, 0xA8;
-shr.b32 a, t1, 3;
-shl.b32 c, t1, 7;
-lop3.b32 $3, a, c, 0x8E008E00, 0xA8;
-}""")
-
-
 @triton.jit
 def _load_fp4(codes_ptr, scales_ptr, r, s_mask, BLOCK_S: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
               DECODE: tl.constexpr):
-    """Rows r of a packed NVFP4 stream -> (low, high) float16 halves [BLOCK_S, HALF] (_dequant_fp4's values).
-
-    DECODE 4 ("halfword") reads codes and scales as 16-bit elements: no 8-bit tensor reaches the dots, so Triton
-    gives their operands the MMA's native 2-element register width (with 8-bit inputs it picks 4 for both
-    operands, and every HMMA then waits on register moves that rebuild its fragments)."""
-    if DECODE == 4:
-        c16 = tl.arange(0, HALF // 2)
-        w = tl.load(codes_ptr.to(tl.pointer_type(tl.int16)) + r[:, None] * (HALF // 2) + c16[None, :],
-                    mask=s_mask[:, None], other=0)
-        lo_e, lo_o, hi_e, hi_o = tl.inline_asm_elementwise(
-            _DECODE_HALFWORD_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
-        G: tl.constexpr = HALF // 16
-        sp = tl.load(scales_ptr.to(tl.pointer_type(tl.int16)) + r[:, None] * G + tl.arange(0, G)[None, :],
-                     mask=s_mask[:, None], other=0).to(tl.int32)
-        s_lo = ((sp & 0xFF) << 7).to(tl.int16).to(tl.float16, bitcast=True)      # block 2g: s * 2^5
-        s_hi = ((sp & 0xFF00) >> 1).to(tl.int16).to(tl.float16, bitcast=True)    # block 2g + 1
-        lo = tl.reshape(tl.join(lo_e, lo_o), (BLOCK_S, G, 16)) * s_lo[:, :, None]
-        hi = tl.reshape(tl.join(hi_e, hi_o), (BLOCK_S, G, 16)) * s_hi[:, :, None]
-        out = tl.reshape(lo, (BLOCK_S, HALF)), tl.reshape(hi, (BLOCK_S, HALF))
-    else:
-        b = tl.load(codes_ptr + r[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=s_mask[:, None], other=0)
-        sb = tl.load(scales_ptr + r[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=s_mask[:, None],
-                     other=0)
-        out = _dequant_fp4(b, sb, BLOCK_S, HALF, DECODE)
-    return out
+    """Rows r of a packed NVFP4 stream -> (low, high) float16 halves [BLOCK_S, HALF] (_dequant_fp4's values)."""
+    b = tl.load(codes_ptr + r[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=s_mask[:, None], other=0)
+    sb = tl.load(scales_ptr + r[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=s_mask[:, None], other=0)
+    return _dequant_fp4(b, sb, BLOCK_S, HALF, DECODE)
 
 
 @triton.jit
