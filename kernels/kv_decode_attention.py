@@ -41,6 +41,7 @@ from . import kv_decode_gluon
 from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV, gather
 from .w4a16_gemm import INTERPRET, _dequant_tile, _nvfp4_scale_f16
+from .w4a16_gemv import _DECODE as _DECODE_WORD_ASM   # four code bytes (one register) -> 4 fp16 pairs
 
 LOG2E = 1.4426950408889634
 # defaults = the fastest of tools/bench_attention.py's sweeps: 128-position blocks, 4 warps, 2 stages (H200,
@@ -63,24 +64,6 @@ def _dot(a, b, F32: tl.constexpr):
     else:
         out = tl.dot(a, b)
     return out
-
-
-# Four code bytes (one 32-bit register, as they were loaded) -> the low and the high elements as two float16
-# pairs each, code * 2^-14 (w4a16_gemm._codes_f16's bit placement; 10 integer instructions per 8 codes, and no
-# byte packing: the pair form takes 16-bit inputs, which costs 4 more instructions per 2 bytes to build).
-_DECODE_WORD_ASM = tl.constexpr("""{
-.reg .b32 t0, t1, a, c;
-prmt.b32 t0, $4, 0, 0x1404;
-prmt.b32 t1, $4, 0, 0x3424;
-and.b32 $0, t0, 0x8E008E00;
-and.b32 $1, t1, 0x8E008E00;
-shr.b32 a, t0, 3;
-shl.b32 c, t0, 7;
-lop3.b32 $2, a, c, 0x8E008E00, 0xA8;
-shr.b32 a, t1, 3;
-shl.b32 c, t1, 7;
-lop3.b32 $3, a, c, 0x8E008E00, 0xA8;
-}""")
 
 
 # Four E4M3 bytes -> four float16 (two pairs), the GPU's conversion, as non-pure PTX so that the compiler keeps it

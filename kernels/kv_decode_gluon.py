@@ -59,7 +59,7 @@ try:  # Gluon ships with Triton >= 3.5
 
     from .w4a16_gluon_gemm import HAVE_GLUON
     if HAVE_GLUON:
-        from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _halves
+        from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _decode_pairs
 except Exception:  # pragma: no cover - an old Triton: packed_decode_attention keeps the Triton kernel
     HAVE_GLUON = False
 
@@ -106,49 +106,37 @@ def emulate_orders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 if HAVE_GLUON:
     @gluon.constexpr_function
+    def _rows_layout(tile, reg, lane, shape):
+        """A [tile, ...] layout of one warp: the given register and lane bases, then rows + 16, + 32 ... in
+        registers."""
+        reg = list(reg)
+        r = 16
+        while r < tile:
+            reg.append([r] + [0] * (len(shape) - 1))
+            r *= 2
+        return gl.DistributedLinearLayout(reg, lane, [], [], [tile] + list(shape[1:]))
+
+    @gluon.constexpr_function
     def _k_layout(tile):
         """[tile, 4 (group gr), 4 (word w)] int32 K code words: lane (g, t) -> rows g, group t; registers: the
         4 words of the group (one 16-byte load), row + 8, row + 16 ..."""
-        reg = [[0, 0, 1], [0, 0, 2], [8, 0, 0]]
-        r = 16
-        while r < tile:
-            reg.append([r, 0, 0])
-            r *= 2
-        return gl.DistributedLinearLayout(reg, [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [], [],
-                                          [tile, 4, 4])
+        return _rows_layout(tile, [[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+                            [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [tile, 4, 4])
 
     @gluon.constexpr_function
     def _v_layout(tile):
         """[tile, 8 (half group hg), 2 (word w)] int32 V code words: lane (g, t) -> half group g, positions 2t
         (lane bits 0-1 are position bits 1-2); registers: the 2 words (one 8-byte load), position + 1, + 8,
         + 16 ..."""
-        reg = [[0, 0, 1], [1, 0, 0], [8, 0, 0]]
-        r = 16
-        while r < tile:
-            reg.append([r, 0, 0])
-            r *= 2
-        return gl.DistributedLinearLayout(reg, [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [], [],
-                                          [tile, 8, 2])
+        return _rows_layout(tile, [[0, 0, 1], [1, 0, 0], [8, 0, 0]],
+                            [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [tile, 8, 2])
 
     @gluon.jit
     def _decode(words, sp):
         """words [R, X, W] int32 code words, sp [R, X] int16 scale pairs -> fp16 [R, X, W, j0, j1, h]:
         code * 2^-14 * s * 2^5 (exact), byte 4 w + 2 j1 + j0 of the words' 16-byte group, low (h = 0) or high
         element (w4a16_gluon_gemm's word decode)."""
-        sl, sh = gl.inline_asm_elementwise(_SCALE_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
-                                           is_pure=True, pack=1)
-        sl, _ = gl.broadcast(gl.expand_dims(sl, 2), words)
-        sh, _ = gl.broadcast(gl.expand_dims(sh, 2), words)
-        d0, d1, d2, d3 = gl.inline_asm_elementwise(_DECODE_WORD_ASM, "=r,=r,=r,=r,r,r,r", [words, sl, sh],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
-        d0a, d0b = _halves(d0)
-        d1a, d1b = _halves(d1)
-        d2a, d2b = _halves(d2)
-        d3a, d3b = _halves(d3)
-        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))
-        hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
-        return gl.join(lo, hi).to(gl.float16, bitcast=True)
+        return _decode_pairs(words, sp, _SCALE_ASM, _DECODE_WORD_ASM).to(gl.float16, bitcast=True)
 
     @gluon.jit
     def _q_pow2(amax):

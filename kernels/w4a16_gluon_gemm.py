@@ -351,12 +351,11 @@ if HAVE_GLUON:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _decode_words(words, sp, ROWS: gl.constexpr, SCALE_ASM: gl.constexpr, WORD_ASM: gl.constexpr,
-                      DTYPE: gl.constexpr):
-        """words [ROWS, 2, 4] int32 (kernel-layout code bytes), sp [ROWS, 2] int16 (the prepared scale
-        bytes of the group's low | high blocks) -> the scaled codes as [ROWS, gr, j3, j2, j0, j1, h] DTYPE
-        (physical K offset 32 gr + 16 h + 8 j3 + 4 j2 + 2 j1 + j0). One inline-PTX routine per word: 4
-        16-bit pairs, each times its block scale."""
+    def _decode_pairs(words, sp, SCALE_ASM: gl.constexpr, WORD_ASM: gl.constexpr):
+        """words [R, X, W] int32 (kernel-layout code bytes), sp [R, X] int16 (the prepared scale bytes of the
+        group's low | high blocks) -> int16 bits [R, X, W, j0, j1, h] of the scaled codes: byte 4 w + 2 j1 + j0
+        of the words, its low (h = 0) or high element. One inline-PTX routine per word: 4 16-bit pairs, each
+        times its block scale. (kv_decode_gluon decodes the KV cache's codes with it too.)"""
         sl, sh = gl.inline_asm_elementwise(SCALE_ASM, "=r,=r,h", [sp], dtype=(gl.int32, gl.int32),
                                            is_pure=True, pack=1)
         sl, _ = gl.broadcast(gl.expand_dims(sl, 2), words)
@@ -369,9 +368,16 @@ if HAVE_GLUON:
         d1a, d1b = _halves(d1)
         d2a, d2b = _halves(d2)
         d3a, d3b = _halves(d3)
-        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))           # [R, gr, w, j0, j1]
+        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))           # [R, X, w, j0, j1]
         hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
-        a = gl.reshape(gl.join(lo, hi), [ROWS, 2, 2, 2, 2, 2, 2])      # [R, gr, j3, j2, j0, j1, h]
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def _decode_words(words, sp, ROWS: gl.constexpr, SCALE_ASM: gl.constexpr, WORD_ASM: gl.constexpr,
+                      DTYPE: gl.constexpr):
+        """words [ROWS, 2, 4], sp [ROWS, 2] (_decode_pairs) -> the scaled codes as [ROWS, gr, j3, j2, j0, j1, h]
+        DTYPE (physical K offset 32 gr + 16 h + 8 j3 + 4 j2 + 2 j1 + j0)."""
+        a = gl.reshape(_decode_pairs(words, sp, SCALE_ASM, WORD_ASM), [ROWS, 2, 2, 2, 2, 2, 2])
         return a.to(DTYPE, bitcast=True)
 
     @gluon.jit
