@@ -191,6 +191,26 @@ def test_attend_is_causal_per_sequence():
             assert torch.allclose(out[t, h * 4:(h + 1) * 4], ref, atol=1e-6)
 
 
+def test_attend_in_query_chunks_is_the_same_attention(monkeypatch):
+    """A long prefill goes through its query columns in chunks (SCORE_BYTES); the result is the one-shot one."""
+    import megatron_qrl.rollout.attention as attention_mod
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(num_layers=1, max_slots=3, max_len=40, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                    device="cpu")
+    batch = StepBatch.build([(2, list(range(23)), 0), (0, [1], 30), (1, list(range(9)), 5)], "cpu")
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=g))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=g))
+    q = torch.randn(batch.num_tokens, 4, 8, generator=g)
+    keys, values = cache.read(0, batch.slots, int(batch.kv_lens.max()))
+    whole = attend(q, keys, values, batch, 0.3)
+    B, L, H = 3, keys.shape[1], 4
+    monkeypatch.setattr(attention_mod, "SCORE_BYTES", B * H * L * 4 * 5)         # 5 query columns per chunk
+    chunked = attend(q, keys, values, batch, 0.3)
+    assert torch.allclose(chunked, whole, rtol=0, atol=1e-6) and torch.isfinite(chunked).all()
+    monkeypatch.setattr(attention_mod, "SCORE_BYTES", 1)                         # one column at a time
+    assert torch.allclose(attend(q, keys, values, batch, 0.3), whole, rtol=0, atol=1e-6)
+
+
 def test_scheduler_admits_as_sequences_finish():
     cache = KVCache(num_layers=1, max_slots=2, max_len=16, num_kv_heads=1, head_dim=4, dtype=torch.float32,
                     device="cpu")

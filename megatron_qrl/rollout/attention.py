@@ -78,12 +78,19 @@ class StepState:
     batch: Optional[StepBatch] = None
 
 
+# fp32 scores attend() holds at once: a long prefill goes through its query columns in chunks under this (a
+# 16 x 4096-token prefill of 32 heads would otherwise materialize 32 GiB of scores; measured OOM on an 80 GB GPU,
+# docs/PERF.md "Session of 2026-12-06"). Each query row's softmax is its own, so chunking changes no math.
+SCORE_BYTES = 1 << 30
+
+
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
            softmax_scale: float) -> torch.Tensor:
     """query [T, H, D] packed; keys/values [B, L, G, D] per row -> [T, H*D].
 
     Query token t of row b sees cached positions j <= positions[t] (causal; later positions of the slot
-    are stale or not yet written). Scores and softmax in float32, like Megatron's attention_softmax_in_fp32.
+    are stale or not yet written). Scores and softmax in float32, like Megatron's attention_softmax_in_fp32;
+    query columns in chunks of at most SCORE_BYTES of scores.
     """
     T, H, D = query.shape
     B, L, G, _ = keys.shape
@@ -93,14 +100,19 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch:
     if G != H:  # grouped-query attention: each KV group serves H/G consecutive query heads
         keys = keys.repeat_interleave(H // G, dim=2)
         values = values.repeat_interleave(H // G, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), keys.float()) * softmax_scale
+    keys_f = keys.float()
     q_pos = torch.full((B, q_max), -1, dtype=torch.long, device=query.device)
     q_pos[batch.token_row, batch.token_col] = batch.positions
     k_pos = torch.arange(L, device=query.device)
-    allowed = k_pos.view(1, 1, L) <= q_pos.view(B, q_max, 1)          # padded query rows see nothing
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)              # all -inf rows (padding) -> 0
-    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(values.dtype), values)
+    out = torch.empty(B, q_max, H, D, dtype=values.dtype, device=query.device)
+    chunk = max(1, SCORE_BYTES // (B * H * L * 4))
+    for c0 in range(0, q_max, chunk):
+        c1 = min(q_max, c0 + chunk)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, c0:c1].float(), keys_f) * softmax_scale
+        allowed = k_pos.view(1, 1, L) <= q_pos[:, c0:c1].view(B, c1 - c0, 1)     # padded query rows see nothing
+        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                  # all -inf rows (padding) -> 0
+        out[:, c0:c1] = torch.einsum("bhqk,bkhd->bqhd", probs.to(values.dtype), values)
     return out[batch.token_row, batch.token_col].reshape(T, H * D)
 
 
