@@ -30,7 +30,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import megatron_qrl.kernels  # noqa: E402,F401  (a plain checkout: megatron_qrl/__init__.py maps kernels/ to it)
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
