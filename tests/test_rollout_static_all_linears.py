@@ -158,7 +158,6 @@ def test_gpu_evidence_engine_takes_the_static_path():
     assert eng.cache.kv_format == "fp4" and eng.scheme == "w4a4"
     assert unsupported_reason(eng.model, eng.cfg) is None
     assert resolve_decode_mode("auto", torch.device("cuda"), unsupported_reason(eng.model, eng.cfg)) == "graphs"
-    assert unsupported_reason(eng.model, load_config(base, ["lora.enabled=true"])) == "LoRA adapters (QeRL mode)"
     ps = prompts(5, 9, 3, 7, seed=2)
     sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=1)
     a, b = engines["eager"].generate(ps, sp), eng.generate(ps, sp)

@@ -28,20 +28,26 @@ from megatron_qrl.quant.nvfp4 import E4M3_MAX
 class DenseFP4Linear:
     """One quantized dense linear of the engine model, as the static decode step runs it (module docstring)."""
 
-    def __init__(self, lin, fmt: str, w4a4: bool, capture: bool, keep_codes: bool, kernels: bool):
-        self.lin, self.format, self.w4a4 = lin, fp4_format(fmt), w4a4
+    def __init__(self, lin, fmt: Optional[str], w4a4: bool, capture: bool, keep_codes: bool, kernels: bool):
+        self.lin, self.format, self.w4a4 = lin, fp4_format(fmt) if fmt is not None else None, w4a4
         self.capture, self.keep_codes, self.kernels = capture and w4a4, keep_codes, kernels
         self.site = lin.site
         self.width = lin.site.k_total           # the input width (TP = 1: the whole K)
         # nvfp4_global_scale's divisor, made once: a tensor built inside a CUDA graph capture would be a
         # host->device copy, and dividing by a Python scalar may round differently on CUDA (its docstring)
-        self._divisor = torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=lin.weight.device)
+        dev = next(t for t in (*lin.parameters(), *lin.buffers()) if t.numel()).device
+        self._divisor = torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=dev)
         # 0 and 1 for torch.where, made once: a Python scalar or ones_like fills a fresh device tensor per call
-        self._zero = torch.zeros((), dtype=torch.float32, device=lin.weight.device)
-        self._one = torch.ones((), dtype=torch.float32, device=lin.weight.device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=dev)
+        self._one = torch.ones((), dtype=torch.float32, device=dev)
 
     def __call__(self, x: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, Optional[dict]]:
         """x [B, K], active bool [B] -> (y [B, N], capture {bits, scales, global_scale, codes} or None)."""
+        x, cap = self.quantize(x, active)
+        return self.gemm(x), cap
+
+    def quantize(self, x: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, Optional[dict]]:
+        """The GEMM's input: (W4A4) the eager hook's fake quantization over the active rows, and its capture."""
         cap = None
         if self.w4a4:
             x = torch.where(active[:, None], x, self._zero)       # keeps x's dtype
@@ -56,11 +62,15 @@ class DenseFP4Linear:
                     cap["global_scale"] = gs.reshape(1).expand(x.shape[0])
                 if self.keep_codes:
                     cap["codes"] = enc.packed
+        return x, cap
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T over the synced FP4 weight: the W4A16 kernel on the kernel path, else the dequantized parameter."""
         if self.kernels:
             from megatron_qrl.kernels.w4a16_gemm import w4a16_gemm
 
-            return w4a16_gemm(x, self.lin.kernel_weight), cap
-        return F.linear(x, self.lin.weight), cap
+            return w4a16_gemm(x, self.lin.kernel_weight)
+        return F.linear(x, self.lin.weight)
 
     def _global_scale(self, x: torch.Tensor) -> torch.Tensor:
         """`nvfp4_global_scale(x)` (the eager hook's rule, the same operations) without a new device tensor."""
@@ -71,6 +81,7 @@ class DenseFP4Linear:
 def dense_fp4_linears(engine) -> dict:
     """{linear module: DenseFP4Linear} for the engine model's FP4 attention linears (none without them)."""
     from megatron_qrl.models import fp4_linears
+    from megatron_qrl.models.lora import is_lora_linear
 
     if engine.format not in FP4_FORMATS:
         return {}
@@ -79,7 +90,8 @@ def dense_fp4_linears(engine) -> dict:
     return {lin: DenseFP4Linear(lin, engine.format, engine.scheme == "w4a4", lin.site.name in sites,
                                 engine.keep_codes, id(lin) in on_kernels)
             for lin in fp4_linears(engine.model)
-            if lin.site.expert is None and lin.quant.format in FP4_FORMATS and lin.site.role in ("qkv", "proj")}
+            if lin.site.expert is None and lin.quant.format in FP4_FORMATS and lin.site.role in ("qkv", "proj")
+            and not is_lora_linear(lin)}      # LoRA linears: decode_lora.py
 
 
 def capture_widths(linears: dict) -> dict[int, dict[str, int]]:

@@ -39,11 +39,14 @@ def resolve_decode_mode(setting: str, device, reason: Optional[str]) -> str:
 
 def build_graph_loop(engine, mode: str):
     """The static decode loop over the engine's model, cache, FP4 attention linears and (if any) FP4 kernel
-    weights."""
+    weights. QeRL mode: LoRA attention linears and, on the kernel path, LoRA experts over an FP4 base
+    (decode_lora.py); elsewhere LoRA experts run as the model's own (the reference, not capturable)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from .decode_experts import FP4KernelExperts, GroupedBF16Experts, MegatronExperts
     from .decode_linears import dense_fp4_linears
+    from .decode_lora import LoRAKernelExperts, lora_dense_linears, lora_experts
+    from .kernel_linears import _glu_is_swiglu
     from .graph_decode import GraphDecodeLoop
     from .static_decode import DecodeModel
 
@@ -57,12 +60,16 @@ def build_graph_loop(engine, mode: str):
         mlp = layer.mlp.experts
         capture = layer.layer_number - 1 in engine.trace_layers
         runner = grouped.get(names[id(mlp)])
-        if runner is not None:
+        if lora_experts(mlp):
+            on_kernels = engine.kernels is not None and _glu_is_swiglu(mlp.config)
+            experts[i] = (LoRAKernelExperts(mlp, engine.format, engine.scheme == "w4a4", capture, engine.keep_codes)
+                          if on_kernels else MegatronExperts(mlp, capture, engine.keep_codes))
+        elif runner is not None:
             experts[i] = FP4KernelExperts(runner, engine.format, engine.scheme == "w4a4", capture, engine.keep_codes)
         elif cuda and engine.format == "bf16":
             experts[i] = GroupedBF16Experts(mlp)
         else:
             experts[i] = MegatronExperts(mlp, capture, engine.keep_codes)
     step = DecodeModel(model, engine.cache, experts, kernel_attention=cuda or engine.kernels is not None,
-                       linears=dense_fp4_linears(engine))
+                       linears={**dense_fp4_linears(engine), **lora_dense_linears(engine)})
     return GraphDecodeLoop(engine, step, window=engine.cfg.rollout.decode_window, use_graphs=mode == "graphs")

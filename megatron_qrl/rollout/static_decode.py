@@ -54,9 +54,11 @@ def unsupported_reason(model, cfg) -> Optional[str]:
 
     from megatron_qrl.models.lora import is_lora_linear
     from megatron_qrl.models import fp4_linears
+    from megatron_qrl.quant.formats import FP4_FORMATS
 
-    if cfg.lora.enabled or any(is_lora_linear(lin) for lin in fp4_linears(model)):
-        return "LoRA adapters (QeRL mode)"
+    if any(lin.site.expert is not None and lin.base_format not in FP4_FORMATS
+           for lin in fp4_linears(model) if is_lora_linear(lin)):
+        return "LoRA routed experts over a bf16 base (lora.base_format=bf16)"
     mc = model.config
     if getattr(mc, "apply_rope_fusion", False):
         return "fused RoPE"
