@@ -16,6 +16,8 @@ fit on one GPU. Engines (--engines):
     fp4-kv4    fp4 with rollout.kv_cache=fp4: a packed NVFP4 KV cache (kernels/kv_layout.py), written by the
                quantize-write kernel and read by the packed decode-attention kernel in the graphs
     fp4-kv8    the same with a packed FP8 KV cache (use a long --prompt-len, e.g. 4096, to see the KV reads)
+    fp4-lora   QeRL mode (lora.enabled, rank 16 on every linear, NVFP4 base) on the graph path
+               (rollout/decode_lora.py); fp4-lora-eager: the same model on the eager engine
     hf         transformers Qwen3MoeForCausalLM.generate() (sdpa, eager) on the bf16 weights (<= 8 layers)
 Decode tokens/s excludes prefill: a generate() of N new tokens minus a generate() of 1 new token for the same
 prompts, i.e. (N - 1) * B tokens over the time difference; medians of --reps timed pairs after a warm-up
@@ -51,7 +53,9 @@ ENGINES = {"fp4": ("nvfp4", "w4a16", "graphs", False), "bf16": ("bf16", "w4a16",
            "fp4-eager": ("nvfp4", "w4a16", "eager", False), "bf16-eager": ("bf16", "w4a16", "eager", False),
            "w4a4": ("nvfp4", "w4a4", "graphs", False), "w4a4-trace": ("nvfp4", "w4a4", "graphs", True),
            "w4a4-trace-eager": ("nvfp4", "w4a4", "eager", True), "fp4-kv4": ("nvfp4", "w4a16", "graphs", False),
-           "fp4-kv8": ("nvfp4", "w4a16", "graphs", False)}
+           "fp4-kv8": ("nvfp4", "w4a16", "graphs", False), "fp4-lora": ("nvfp4", "w4a16", "graphs", False),
+           "fp4-lora-eager": ("nvfp4", "w4a16", "eager", False)}
+LORA_ENGINES = {"fp4-lora", "fp4-lora-eager"}       # QeRL mode: rank-16 adapters on every linear, NVFP4 base
 KV_CACHE = {"fp4-kv4": "fp4", "fp4-kv8": "fp8"}     # rollout.kv_cache of an engine (default bf16)
 HF_MAX_LAYERS = 8
 
@@ -110,7 +114,8 @@ def make_cfg(a, layers: int, engine: str, max_batch: int):
         "trainer": {"bf16": not a.tiny, "seed": a.seed}, "aqn": {"enabled": False},
         "trace": {"enabled": trace, "num_cached_layers": layers},
         "rollout": {"weights": weights, "scheme": scheme, "decode": decode, "max_batch_size": max_batch,
-                    "max_new_tokens": a.new_tokens, "kv_cache": KV_CACHE.get(engine, "bf16")}})
+                    "max_new_tokens": a.new_tokens, "kv_cache": KV_CACHE.get(engine, "bf16")},
+        "lora": {"enabled": engine in LORA_ENGINES, "rank": 16, "alpha": 32, "base_format": "nvfp4"}})
 
 
 def _sync():
@@ -127,12 +132,27 @@ def build_engine(a, layers: int, engine: str, max_batch: int):
 
     seed_everything(a.seed)               # every engine initialises the same weights
     eng = EmbeddedEngine(make_cfg(a, layers, engine, max_batch), kernels="on" if a.tiny else None)
+    if engine in LORA_ENGINES:
+        nonzero_adapters(eng.model, a.seed)
     t0 = time.perf_counter()
     eng.sync_from_model(eng.model, version=0)
     _sync()
     print(f"[bench] {layers} layers {engine}: built, weight sync {time.perf_counter() - t0:.1f} s, "
           f"decode={eng.decode_mode}, kernels={eng.kernels is not None}", file=sys.stderr, flush=True)
     return eng
+
+
+def nonzero_adapters(model, seed: int) -> None:
+    """B = 0 at init hides the adapters: the same seeded non-zero B in every LoRA engine (checks see them)."""
+    import torch
+
+    from megatron_qrl.models.lora import lora_linears
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lin in lora_linears(model):
+            if lin.lora_rank:
+                lin.lora_B.copy_(torch.randn(lin.lora_B.shape, generator=g) * 0.02)
 
 
 def free(*objs):
@@ -598,7 +618,10 @@ def run(a) -> dict:
             print(f"[bench] overheads {res['overheads']}", file=sys.stderr, flush=True)
             write_json(res, a.json)
         if a.check and layers == a.layers[0]:
-            for fast, eager in (("fp4", "fp4-eager"), ("bf16", "bf16-eager"), ("w4a4-trace", "w4a4-trace-eager")):
+            pairs = [("fp4", "fp4-eager"), ("bf16", "bf16-eager"), ("w4a4-trace", "w4a4-trace-eager")]
+            if "fp4-lora" in a.engines:
+                pairs.append(("fp4-lora", "fp4-lora-eager"))
+            for fast, eager in pairs:
                 res["checks"][f"{fast} vs {eager}"] = check_pair(a, layers, fast, eager, a.check, vocab, g)
                 print(f"[bench] check {fast}: {res['checks'][f'{fast} vs {eager}']}", file=sys.stderr, flush=True)
                 write_json(res, a.json)
