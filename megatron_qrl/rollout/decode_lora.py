@@ -11,9 +11,9 @@ sees the unquantized x, everything in the model dtype. Here:
   experts' frozen base (prepared once: it never changes) and the adapters of all experts as stacked tensors.
   The fc1 delta joins before SwiGLU, so fc1 runs unfused: each (token, slot) is one row in expert order through
   the sorted-rows kernel (`moe_down`'s, with unit weights), which writes it back in (token, slot) order.
-  Each delta is one dense GEMM against every expert's A, the row's own block picked out, and one against every
-  expert's B with the other blocks zero: exact zeros, so each row gets its expert's  (x A_e^T) B_e^T  with no
-  data-dependent shape (cost: rows x E x rank x width per GEMM, small next to the base at decode batch sizes).
+  Each delta is two torch._grouped_mm over the same rows in expert order (the kernels' block-padded order, group
+  ends from the routing on the device): every expert's  (x A_e^T) B_e^T  with no data-dependent shape, reading
+  only the adapters of the experts the step touches.
 The adapter parameters of the experts become views of the stacks, so weight syncs (in place) reach the graphs.
 """
 from __future__ import annotations
@@ -70,15 +70,20 @@ class _Adapters:
         self.A = stack_as_views([lin.lora_A for lin in linears]) if self.rank else None
         self.B = stack_as_views([lin.lora_B for lin in linears]) if self.rank else None
 
-    def delta(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Rows x [n, K] of experts expert [n] -> scale * (x A_e^T) B_e^T [n, N] (module docstring)."""
-        e, r, k = self.A.shape
-        n = x.shape[0]
-        u = x.matmul(self.A.view(e * r, k).t().to(x.dtype)).view(n, e, r)
-        idx = expert.view(n, 1, 1).expand(n, 1, r)
-        blocks = torch.zeros_like(u).scatter_(1, idx, u.gather(1, idx))
-        b = self.B.transpose(1, 2).reshape(e * r, -1).to(x.dtype)
-        return blocks.view(n, e * r).matmul(b) * self.scale
+    def delta(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Rows xs [P, K] in expert order (expert e's rows end at offs[e]) -> scale * (x A_e^T) B_e^T [P, N],
+        the eager delta's operations per expert (rows past offs[-1] are garbage: the caller drops them)."""
+        u = torch._grouped_mm(xs, self.A.transpose(1, 2).to(xs.dtype), offs=offs)
+        return torch._grouped_mm(u, self.B.transpose(1, 2).to(xs.dtype), offs=offs) * self.scale
+
+
+def group_ends(routing, e: int) -> torch.Tensor:
+    """int32 [e]: where each expert's (block-padded) sorted rows end, for torch._grouped_mm (no host sync);
+    the routing's blocks come in expert order."""
+    blocks = routing.block_expert
+    counts = torch.zeros(e + 1, dtype=torch.int32, device=blocks.device)
+    counts.scatter_add_(0, torch.where(blocks >= 0, blocks, e).long(), torch.ones_like(blocks, dtype=torch.int32))
+    return torch.cumsum(counts[:e] * routing.block_m, 0, dtype=torch.int32)
 
 
 class _BaseStacks:
@@ -106,7 +111,9 @@ class LoRAKernelExperts(FP4KernelExperts):
         fc2 = [e.linear_fc2 for e in experts]
         super().__init__(_BaseStacks(fc1, fc2, fmt), fmt, w4a4, capture, keep_codes)
         self.fc1, self.fc2 = _Adapters(fc1), _Adapters(fc2)
-        self._zero_x = torch.zeros((1, self.runner.w13.k), dtype=torch.bfloat16, device=self._zero.device)
+        dtype = fc1[0].lora_A.dtype                  # the model dtype: the pad rows of the sorted gathers
+        self._zero_x = torch.zeros((1, self.runner.w13.k), dtype=dtype, device=self._zero.device)
+        self._zero_h = torch.zeros((1, self.runner.w2.k), dtype=dtype, device=self._zero.device)
 
     def takes_fp16_operand(self, n_assign: int) -> bool:
         return False          # fc1 runs on the sorted-rows kernel over bf16 rows
@@ -132,24 +139,34 @@ class LoRAKernelExperts(FP4KernelExperts):
             routing = align_only(flat.unsqueeze(1), e, gu.block_m)
             dn = replace(dn, block_m=gu.block_m)
         sid = routing.sorted_ids.long()                          # assignment per sorted row (pad = n)
+        offs = group_ends(routing, e)
         ones = torch.ones(n, dtype=torch.float32, device=x.device)
+        xs = torch.cat([rows, self._zero_x])[sid]       # rows in expert order, pads zero
+        xqs = xs if xq is rows else torch.cat([xq, self._zero_x])[sid]
         # fc1 without its SwiGLU epilogue: the sorted-rows kernel (moe_down's) writes (token, slot) order
-        g = moe_down(torch.cat([xq.to(torch.bfloat16), self._zero_x])[sid], w13, routing, ones, gu)
-        g = g.to(dtype)
+        g = moe_down(xqs.to(torch.bfloat16), w13, routing, ones, gu).to(dtype)
         if self.fc1.rank:
-            g = g + self.fc1.delta(rows, flat)
+            g = g + self._unsort(self.fc1.delta(xs, offs), sid, n)
         gate, up = torch.chunk(g, 2, dim=-1)
         # Megatron's SwiGLU, then the router probability before fc2 (rounded to the model dtype)
         h = ((F.silu(gate) * up) * probs.reshape(-1, 1).float()).to(dtype)
         hq, cap2 = self._quantize(h, flat, e) if self.w4a4 else (h, None)
-        y = moe_down(torch.cat([hq.to(torch.bfloat16), self._zero_row])[sid], w2, routing, ones, dn).to(dtype)
+        hs = torch.cat([h, self._zero_h])[sid]
+        hqs = hs if hq is h else torch.cat([hq, self._zero_h])[sid]
+        y = moe_down(hqs.to(torch.bfloat16), w2, routing, ones, dn).to(dtype)
         if self.fc2.rank:
-            y = y + self.fc2.delta(h, flat)
+            y = y + self._unsort(self.fc2.delta(hs, offs), sid, n)
         out = y.view(B, k, -1)
         if cap1 is None:
             return out, None
         shape = lambda t: t.view(B, k, *t.shape[1:])   # noqa: E731
         return out, {"fc1": {n_: shape(t) for n_, t in cap1.items()}, "fc2": {n_: shape(t) for n_, t in cap2.items()}}
+
+    @staticmethod
+    def _unsort(rows: torch.Tensor, sid: torch.Tensor, n: int) -> torch.Tensor:
+        """Sorted rows -> (token, slot) order [n, ...]: every assignment once, the pads into a dropped row."""
+        out = torch.empty((n + 1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        return out.index_copy_(0, sid, rows)[:n]
 
 
 def lora_dense_linears(engine) -> dict:
