@@ -17,8 +17,9 @@ register shuffles). kv_decode_gluon showed the cure; this is the same design for
   claims at compile time.
 * One warp per program (no barrier, no shared B): programs are (block of block_m sorted rows, ROWS weight rows;
   gate/up: ROWS gate rows and the ROWS matching up rows sharing one B). Bytes per trip and program: codes
-  ROWS x 64 (x 2 gated), x block_m x 256 (fp16/bf16). ROWS = 32 gated (64 code rows: 4 KB of codes against
-  4 KB of x at block_m 16) and 64 down keep the L2 reads of x at or below the weight bytes.
+  ROWS x 64 (x 2 gated), x block_m x 256 (fp16/bf16). `default_rows`: gated 32 (64 code rows: 4 KB of codes
+  against 4 KB of x at block_m 16), down 32 at block_m 16 and 64 at 32: the most rows without spills (more rows
+  cut the L2 reads of x per weight byte and the instructions per code vector: 2.6 at 64 code rows, 2.8 at 32).
 * The bytes arrive STAGES - 1 trips ahead through a ring of shared-memory slots filled by cp.async (codes and
   x; each lane reads back exactly what it copied: no barrier), the scales one trip ahead in registers.
 * Instruction budget per 16-byte code vector (one row, one group, one trip): 1 cp.async + 1 LDS.128, one scale
@@ -45,8 +46,6 @@ from .w4a16_gemm import FP16_ACC_FACTOR
 
 TRIP_K = 128          # K per loop trip: 4 packing groups (64 code bytes of a row), group t on lane bit t
 BLOCK_MS = (8, 16, 32)   # sorted rows per block: 1-4 n8 tiles of the MMA's N
-GATED_ROWS = 32       # default weight rows per program: gate/up (plus as many up rows), down
-DOWN_ROWS = 64
 RING_STAGES = 3       # cp.async ring slots: trips prefetched = stages - 1
 
 try:  # Gluon ships with Triton >= 3.5
@@ -61,11 +60,25 @@ except Exception:  # pragma: no cover - an old Triton: the Triton kernel keeps e
     HAVE_GLUON = False
 
 
-def supported(fmt: str, block_m: int, k: int, rows: int = GATED_ROWS, on_gpu: bool = True) -> bool:
+def supported(fmt: str, block_m: int, k: int, rows: int = 32, on_gpu: bool = True) -> bool:
     """Whether the Gluon kernel takes the call: NVFP4, block_m 8/16/32, K a multiple of 128, ROWS 16-128 (a power
     of 2), Gluon importable, a CUDA tensor and no interpreter."""
     return (HAVE_GLUON and fmt == "nvfp4" and block_m in BLOCK_MS and k % TRIP_K == 0
             and rows in (16, 32, 64, 128) and on_gpu and os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+def default_rows(gated: bool, block_m: int) -> int:
+    """Weight rows per program with no spills on sm_90a (tools/inspect_moe_sm90.py): gate/up 32 (+ 32 up rows);
+    down 32 at block_m 8/16 (64 keeps 2 pointers in local memory), 64 at block_m 32."""
+    return 32 if gated or block_m <= 16 else 64
+
+
+def takes(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, block_m: int, rows: int) -> bool:
+    """`supported`, and tensors the kernel can copy as 16-byte vectors: 16-bit x with unit inner stride and
+    16-byte aligned rows, a 16-bit output."""
+    return (supported(w.fmt, block_m, w.k, rows, x.is_cuda) and x.dtype in (torch.float16, torch.bfloat16)
+            and y.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1 and x.stride(0) % 16 == 0
+            and x.data_ptr() % 16 == 0 and y.stride(-1) == 1)
 
 
 def k_order() -> torch.Tensor:
@@ -245,7 +258,7 @@ def launch(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, routing, topk
            stages: int = RING_STAGES) -> torch.Tensor:
     """moe_grouped_gemm._launch's contract on this kernel (the caller checked `supported`). No host sync, no
     allocation: CUDA-graph capturable."""
-    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if x.stride(-1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
         raise ValueError("the Gluon MoE kernel copies activation rows as 16-byte vectors: x needs contiguous, "
                          "16-byte aligned rows")
     n = w.n // 2 if gated else w.n

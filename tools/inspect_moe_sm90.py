@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                 report(f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                        f"{' tma' if cfg.tma else ''}", k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32,
                        cfg.num_warps, a.dump)
-            rows_list = [int(v) for v in a.rows.split(",")] if a.rows else [g.GATED_ROWS if gated else g.DOWN_ROWS]
+            rows_list = [int(v) for v in a.rows.split(",")] if a.rows else [g.default_rows(gated, bm)]
             for rows in rows_list:
                 k = compile_gluon(gated, bm, rows, a.stages, x_pre)
                 report(f"gluon {proj} bm{bm} rows{rows} s{a.stages}", k, rows * (2 if gated else 1) * 4, 1, a.dump)
