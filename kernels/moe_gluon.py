@@ -121,6 +121,19 @@ if HAVE_GLUON:
         lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
         return gl.DistributedLinearLayout(reg, lane, [], [], [block_m, 4, 32])
 
+    @gluon.constexpr_function
+    def x_smem_layout(block_m):
+        """The x tile [block_m, 4, 32] in shared memory: row-major 16-bit elements (token row n: 256 bytes, group
+        gr: 64) with the 16-byte chunk index c = e // 8 stored as c ^ (gr1 + 2 n0). One phase of an LDS.128
+        (8 lanes: groups 0-3 of token rows g, g + 1) then covers all 32 banks once; row-major, groups 0 and 2
+        and rows g and g + 1 collide (4-way). Bases: the tile coordinate of each offset bit (XOR-linear)."""
+        bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 8], [1, 0, 16]]
+        r = 2
+        while r < block_m:
+            bases.append([r, 0, 0])
+            r *= 2
+        return gl.SharedLinearLayout(bases)
+
     @gluon.jit
     def _a_operand(words, pairs, ROWS: gl.constexpr, a_op: gl.constexpr):
         """[ROWS, 4, 4] code words + [ROWS, 4] scale pairs -> fp16 A [ROWS, 128] in the logical K order."""
@@ -181,7 +194,8 @@ if HAVE_GLUON:
 
             wg_s = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 4, 4], ring)
             wu_s = gl.allocate_shared_memory(gl.int32, [STAGES if GATED else 1, ROWS, 4, 4], ring)
-            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 4, 32], ring)
+            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 4, 32],
+                                            x_smem_layout(BLOCK_M))
             trips = K // 128                   # TRIP_K
             last = trips - 1
             for st in gl.static_range(STAGES - 1):     # trips 0 .. STAGES - 2 (a trip past the end rereads
