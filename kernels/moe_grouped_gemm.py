@@ -230,7 +230,9 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     bm = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
     x_pre = bm == 16 and n_assign >= 64
     if GLUON_DEFAULT and fmt == "nvfp4" and bm in (16, 32) and k % 128 == 0:
-        return gluon_moe_config(bm, gated, x_pre)
+        # the fp16 operand at both block sizes: the Gluon kernel converts bf16 x per program and trip, +25-45%
+        # instructions in its loop (tools/inspect_moe_sm90.py --bf16-x)
+        return gluon_moe_config(bm, gated, n_assign >= 64)
     bn = 64 if gated or bm == 16 else 128
     # 128-wide K steps (not 256) for 16-token blocks and every down projection up to 32-token blocks:
     # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)

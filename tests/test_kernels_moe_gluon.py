@@ -98,6 +98,7 @@ def test_heuristic_keeps_triton_until_the_switch_is_flipped(monkeypatch):
     assert cfg.block_n == moe_gluon.default_rows(True, 16)
     dn = mg.heuristic_moe_config(4096, 128, 2048, 768, False)           # 32 per expert
     assert dn.gluon and dn.block_m == 32 and dn.block_n == moe_gluon.default_rows(False, 32)
+    assert mg.heuristic_moe_config(4096, 128, 768, 2048, True).x_pre      # fp16 operand at block_m 32 too
     assert not mg.heuristic_moe_config(2048, 128, 768, 2048, True, "mxfp4").gluon
     assert mg.heuristic_moe_config(64, 128, 768, 2048, True).gemv       # <= 1 per expert: still the GEMV
     assert not mg.heuristic_moe_config(16384, 128, 768, 2048, True).gluon   # block_m 64: Triton
