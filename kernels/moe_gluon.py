@@ -20,8 +20,12 @@ register shuffles). kv_decode_gluon showed the cure; this is the same design for
   ROWS x 64 (x 2 gated), x block_m x 256 (fp16/bf16). `default_rows`: gated 32 (64 code rows: 4 KB of codes
   against 4 KB of x at block_m 16), down 32 at block_m 16 and 64 at 32: the most rows without spills (more rows
   cut the L2 reads of x per weight byte and the instructions per code vector: 2.6 at 64 code rows, 2.8 at 32).
-* The bytes arrive STAGES - 1 trips ahead through a ring of shared-memory slots filled by cp.async (codes and
-  x; each lane reads back exactly what it copied: no barrier), the scales one trip ahead in registers.
+* The code bytes (HBM) arrive STAGES - 1 trips ahead through a ring of shared-memory slots filled by cp.async,
+  x (an L2 hit) one trip ahead through two slots (XOR-swizzled: `x_smem_layout`), the scales one trip ahead in
+  registers; each lane reads back exactly what it copied: no barrier. Shared memory per program at the
+  defaults: 20 KB gate/up (block_m 16; 11 programs per SM), 14 KB down (16 per SM), 28 KB at block_m 32;
+  codes in flight per SM: 2 trips x 4 KB x 11 = 88 KB gate/up, against the ~30-40 KB that 3.35-4.8 TB/s needs
+  at ~1.5 us of latency over 132 SMs.
 * Instruction budget per 16-byte code vector (one row, one group, one trip): 1 cp.async + 1 LDS.128, one scale
   load per two vectors, 4 inline-PTX word decodes (w4a16_gluon_gemm._DECODE_WORD_ASM, ~9 instructions each)
   and block_m / 8 HMMAs shared by 16 rows; tools/inspect_moe_sm90.py prints the SASS mix of the hot loop
@@ -194,16 +198,19 @@ if HAVE_GLUON:
 
             wg_s = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 4, 4], ring)
             wu_s = gl.allocate_shared_memory(gl.int32, [STAGES if GATED else 1, ROWS, 4, 4], ring)
-            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 4, 32],
-                                            x_smem_layout(BLOCK_M))
+            # x (an L2 hit: the gathered activations or the intermediate just written) one trip ahead in 2 slots;
+            # the codes (from HBM) STAGES - 1 trips ahead. Commit order: X0, C0 .. C(S-2), then per trip i
+            # X(i+1), C(i+S-1); trip i needs X(i) and C(i): all but the 3 groups after X(i) (2 when S = 2).
+            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 4, 32], x_smem_layout(BLOCK_M))
             trips = K // 128                   # TRIP_K
             last = trips - 1
+            async_copy.async_copy_global_to_shared(x_s.index(0), xr_ptr)
+            async_copy.commit_group()
             for st in gl.static_range(STAGES - 1):     # trips 0 .. STAGES - 2 (a trip past the end rereads
                 c = gl.minimum(st, last)               # the last one: harmless, never used)
                 async_copy.async_copy_global_to_shared(wg_s.index(st), wg_ptr + c * 16)
                 if GATED:
                     async_copy.async_copy_global_to_shared(wu_s.index(st), wu_ptr + c * 16)
-                async_copy.async_copy_global_to_shared(x_s.index(st), xr_ptr + c * 128)
                 async_copy.commit_group()
             sg = gl.load(sg_ptr)
             su = sg
@@ -212,16 +219,20 @@ if HAVE_GLUON:
             acc_g = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             acc_u = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             for i in range(0, trips):
+                async_copy.async_copy_global_to_shared(x_s.index((i + 1) % 2), xr_ptr + gl.minimum(i + 1, last) * 128)
+                async_copy.commit_group()
                 ahead = (i + STAGES - 1) % STAGES      # the slot trip i - 1 read
                 c = gl.minimum(i + STAGES - 1, last)
                 async_copy.async_copy_global_to_shared(wg_s.index(ahead), wg_ptr + c * 16)
                 if GATED:
                     async_copy.async_copy_global_to_shared(wu_s.index(ahead), wu_ptr + c * 16)
-                async_copy.async_copy_global_to_shared(x_s.index(ahead), xr_ptr + c * 128)
                 async_copy.commit_group()
-                async_copy.wait_group(STAGES - 1)
+                if STAGES >= 3:
+                    async_copy.wait_group(3)
+                else:
+                    async_copy.wait_group(2)
                 slot = i % STAGES
-                b = _b_operand(x_s.index(slot).load(xl), X_PRE, BLOCK_M, b_op)
+                b = _b_operand(x_s.index(i % 2).load(xl), X_PRE, BLOCK_M, b_op)
                 acc_g = mma_v2(_a_operand(wg_s.index(slot).load(wl), sg, ROWS, a_op), b, acc_g)
                 if GATED:
                     acc_u = mma_v2(_a_operand(wu_s.index(slot).load(wl), su, ROWS, a_op), b, acc_u)
