@@ -17,17 +17,17 @@ register shuffles). kv_decode_gluon showed the cure; this is the same design for
   claims at compile time.
 * One warp per program (no barrier, no shared B): programs are (block of block_m sorted rows, ROWS weight rows;
   gate/up: ROWS gate rows and the ROWS matching up rows sharing one B). Bytes per trip and program: codes
-  ROWS x 64 (x 2 gated), x block_m x 256 (fp16/bf16). `default_rows`: gated 32 (64 code rows: 4 KB of codes
-  against 4 KB of x at block_m 16), down 32 at block_m 16 and 64 at 32: the most rows without spills (more rows
-  cut the L2 reads of x per weight byte and the instructions per code vector: 2.6 at 64 code rows, 2.8 at 32).
+  ROWS x 64 (x 2 gated), x block_m x 256 (fp16/bf16). `default_rows`: gated 32, down 64 (64 code rows: 4 KB of
+  codes against 4 KB of x at block_m 16), the most without spills: more rows cut the L2 reads of x per weight
+  byte and the instructions per code vector (2.6 at 64 code rows, 2.8 at 32, 3.4 at 16; block_m 16).
 * The code bytes (HBM) arrive STAGES - 1 trips ahead through a ring of shared-memory slots filled by cp.async,
   x (an L2 hit) one trip ahead through two slots (XOR-swizzled: `x_smem_layout`), the scales one trip ahead in
   registers; each lane reads back exactly what it copied: no barrier. Shared memory per program at the
-  defaults: 20 KB gate/up (block_m 16; 11 programs per SM), 14 KB down (16 per SM), 28 KB at block_m 32;
+  defaults: 20 KB at block_m 16 (11 programs per SM), 28 KB at block_m 32 (8 per SM);
   codes in flight per SM: 2 trips x 4 KB x 11 = 88 KB gate/up, against the ~30-40 KB that 3.35-4.8 TB/s needs
   at ~1.5 us of latency over 132 SMs.
 * Instruction budget per 16-byte code vector (one row, one group, one trip): 1 cp.async + 1 LDS.128, one scale
-  load per two vectors, 4 inline-PTX word decodes (w4a16_gluon_gemm._DECODE_WORD_ASM, ~9 instructions each)
+  load per two vectors, 4 inline-PTX word decodes (w4a16_gluon_gemm._DECODE_WORD_ASM: 10 integer instructions and 4 HMUL2 each)
   and block_m / 8 HMMAs shared by 16 rows; tools/inspect_moe_sm90.py prints the SASS mix of the hot loop
   against the Triton kernel's.
 
@@ -72,9 +72,9 @@ def supported(fmt: str, block_m: int, k: int, rows: int = 32, on_gpu: bool = Tru
 
 
 def default_rows(gated: bool, block_m: int) -> int:
-    """Weight rows per program with no spills on sm_90a (tools/inspect_moe_sm90.py): gate/up 32 (+ 32 up rows);
-    down 32 at block_m 8/16 (64 keeps 2 pointers in local memory), 64 at block_m 32."""
-    return 32 if gated or block_m <= 16 else 64
+    """Weight rows per program, the most without spills on sm_90a (tools/inspect_moe_sm90.py): gate/up 32 (+ 32
+    up rows; 64 spill at block_m 32), down 64."""
+    return 32 if gated else 64
 
 
 def takes(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, block_m: int, rows: int) -> bool:

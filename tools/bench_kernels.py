@@ -201,7 +201,7 @@ def gluon_moe_variants(moe, n_assign):
         out += [(gu, dn), (replace(gu, num_stages=2), replace(dn, num_stages=2)),
                 (replace(gu, num_stages=4), replace(dn, num_stages=4)), (replace(gu, x_pre=not x_pre), dn)]
         out += [(moe.gluon_moe_config(bm, True, x_pre, rows=r), dn) for r in ((16, 64) if bm == 16 else (16,))]
-        out += [(gu, moe.gluon_moe_config(bm, False, rows=r)) for r in ((16, 64) if bm == 16 else (32,))]
+        out += [(gu, moe.gluon_moe_config(bm, False, rows=r)) for r in ((16, 32) if bm == 16 else (32,))]
     return out
 
 
