@@ -581,6 +581,13 @@ def profile(args):
         x = torch.randn(32, h, device=DEV, dtype=torch.bfloat16)
         ids, tw = _routing(32)
         cases.append(("moe T=32", lambda: moe.moe_w4a16(x, w13, w2, ids, tw)))
+        # batch 256 (16 rows per expert): the Triton heuristic and the Gluon kernel's default (kernels/moe_gluon.py)
+        x256 = torch.randn(256, h, device=DEV, dtype=torch.bfloat16)
+        ids256, tw256 = _routing(256)
+        cases.append(("moe T=256 triton", lambda: moe.moe_w4a16(x256, w13, w2, ids256, tw256)))
+        gu, dn = moe.gluon_moe_config(16, True, True), moe.gluon_moe_config(16, False)
+        cases.append(("moe T=256 gluon", lambda: moe.moe_w4a16(x256, w13, w2, ids256, tw256, gate_up_config=gu,
+                                                              down_config=dn)))
     for _, fn in cases:  # compile + warm up outside the profiled range
         fn()
     torch.cuda.synchronize()
