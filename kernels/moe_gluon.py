@@ -36,7 +36,8 @@ Numerics are the Triton kernel's fp16 path: A = code * 2^-14 * s * 2^5 (exact in
 s_global * FP16_ACC_FACTOR; gated: silu(gate) * up, times 2^-8 into an fp16 output (the down projection's
 operand) or rounded to bf16; down: times the router weight, scattered to the assignment's row. Pad rows are
 never written; blocks past the last expert exit at once. Gluon compiles for sm_90 only (no interpreter path):
-`emulate` checks the index algebra on the CPU, the GPU tests run the kernel.
+`emulate` (the decode and K order) and `emulate_launch` (the block contract) run on the CPU tests, the GPU
+tests run the kernel.
 """
 from __future__ import annotations
 
@@ -110,6 +111,29 @@ def emulate(x: torch.Tensor, w: PreparedFP4Weight, expert: int) -> torch.Tensor:
     xo = (x.float() * 2.0 ** -8).to(torch.float16).float()[:, order]
     acc = xo @ a[:, order].t()
     return acc * (w.global_scale[expert].float() * FP16_ACC_FACTOR)
+
+
+def emulate_launch(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, routing, topk_w, gated: bool) -> None:
+    """What `launch` writes into y, block by block on the CPU (`emulate` per expert): x is the fp16 operand
+    (x * 2^-8) or bf16 x; gated: y[sorted row] = silu(gate) * up (times 2^-8 into an fp16 y), gate rows 0..F-1
+    and up rows F..2F-1 of w; down: y[assign] = topk_w[assign] * (x[sorted row] . W_e); pad rows and blocks
+    with expert -1 untouched. The CPU tests run the pipeline through it against the reference."""
+    xs = x.float() * 256.0 if x.dtype == torch.float16 else x.float()    # emulate takes x and scales it
+    f = w.n // 2
+    bm = routing.block_m
+    for blk, e in enumerate(routing.block_expert.tolist()):
+        if e < 0:
+            continue
+        rows = torch.arange(blk * bm, (blk + 1) * bm)
+        assign = routing.sorted_ids[rows].long()
+        valid = assign < routing.n_assign
+        rows, assign = rows[valid], assign[valid]
+        if gated:
+            acc = emulate(xs[assign // routing.top_k], w, e)
+            out = torch.nn.functional.silu(acc[:, :f]) * acc[:, f:]
+            y[rows] = (out * (2.0 ** -8) if y.dtype == torch.float16 else out).to(y.dtype)
+        else:
+            y[assign] = (emulate(xs[rows], w, e) * topk_w[assign].float()[:, None]).to(y.dtype)
 
 
 if HAVE_GLUON:

@@ -1,7 +1,8 @@
 """The Gluon grouped MoE kernel (kernels/moe_gluon.py) against the per-expert reference and the Triton kernel.
 
 On CPU (the default): the kernel's index algebra (`emulate`: the lanes' decode of each 128-wide trip and the
-logical K order shared by A and B) against x @ dequant(W)^T, the config switch (GLUON_DEFAULT, the fallback of
+logical K order shared by A and B) against x @ dequant(W)^T, its block-level contract (`emulate_launch`: sorted
+rows, silu(gate) * up, router weights, pad rows untouched) against the pipeline reference, the config switch (GLUON_DEFAULT, the fallback of
 a Gluon config to the Triton kernel where Gluon cannot run, here the interpreter). With
 QRL_KERNEL_TESTS_DEVICE=cuda (an sm_90 GPU) the kernel itself: gate/up and down projections at block_m 16 and
 32, several rows per program, fp16 and bf16 operands, uneven expert loads with empty experts and one expert
@@ -10,6 +11,7 @@ replay with a new routing. Tolerances as tests/test_kernels_gemm.py (2e-2 for th
 Triton kernels differ only in fp32 summation order: 1e-2 of the output's norm is generous).
 """
 import os
+from dataclasses import replace
 
 DEVICE = "cuda" if os.environ.get("QRL_KERNEL_TESTS_DEVICE") == "cuda" else "cpu"
 if DEVICE == "cpu":
@@ -86,6 +88,33 @@ def test_emulate_equals_dequantized_matmul(k):
         ref = x.float() @ wd[e].cpu().t()
         got = moe_gluon.emulate(x.cpu(), w, e)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (seed, e)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("x_pre", [True, False])
+def test_emulated_launches_match_the_reference_and_leave_pad_rows(block_m, x_pre):
+    """The kernel's contract, block by block (moe_gluon.emulate_launch): gate/up into sorted rows (fp16 * 2^-8 or
+    bf16), down scaled by the router weight into assignment rows, pad rows never written; the two chained give
+    moe_w4a16_reference."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    e, h, f, k, t = 6, 256, 128, 3, 24
+    w13, w2 = _experts(e, 2 * f, h, gen), _experts(e, h, f, gen)
+    w13, w2 = (replace(w, qweight=w.qweight.cpu(), scales=w.scales.cpu(), global_scale=w.global_scale.cpu())
+               for w in (w13, w2))
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids = _routing_ids(t, e, k, gen, heavy=0, empty=(5,))
+    tw = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    routing = moe_align(ids, e, block_m)
+    pad = routing.sorted_ids >= routing.n_assign
+    hd = torch.float16 if x_pre else torch.bfloat16
+    hs = torch.full((routing.sorted_ids.numel(), f), float("nan"), dtype=hd)
+    xin = (x.float() * 2.0 ** -8).to(torch.float16) if x_pre else x
+    moe_gluon.emulate_launch(xin, w13, hs, routing, None, True)
+    assert torch.isnan(hs[pad]).all() and torch.isfinite(hs[~pad]).all()
+    y = torch.full((routing.n_assign, h), float("nan"), dtype=torch.bfloat16)
+    moe_gluon.emulate_launch(hs, w2, y, routing, tw.reshape(-1).float(), False)
+    assert _rel(y.view(t, k, h).float().sum(1), moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
 
 
 def test_heuristic_keeps_triton_until_the_switch_is_flipped(monkeypatch):
