@@ -176,7 +176,7 @@ def _case(gen, t=40, e=8, h=512, f=384, k=4):
 def test_gate_up_matches_triton_and_leaves_pad_rows(block_m, x_pre):
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    w13, w2, x, ids, tw = _case(gen, f=352)                 # F = 352: a last tile of 32 or 96 rows past N
+    w13, w2, x, ids, tw = _case(gen, f=352)                 # F = 352: the last 64-row tile is half past N
     routing = moe_align(ids, w13.num_experts, block_m)
     tri = MoEConfig(block_m, 64, 128, 4, 3, x_pre=x_pre)
     ref = moe_gate_up(x, w13, routing, tri)
@@ -197,7 +197,7 @@ def test_gate_up_matches_triton_and_leaves_pad_rows(block_m, x_pre):
 def test_down_matches_triton(block_m, h_dtype):
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    w13, w2, x, ids, tw = _case(gen, h=560)                 # H = 560: the last row tile is partial
+    w13, w2, x, ids, tw = _case(gen, h=544)                 # H = 544: the last 64-row tile is partial
     routing = moe_align(ids, w13.num_experts, block_m)
     hs = torch.randn(routing.sorted_ids.numel(), w2.k, generator=gen).to(DEVICE)
     hs = (hs * 2.0 ** -8).to(torch.float16) if h_dtype == torch.float16 else hs.to(torch.bfloat16)
