@@ -15,8 +15,11 @@ register shuffles). kv_decode_gluon showed the cure; this is the same design for
   and the B fragment of lane (g, t) is then the 32 *contiguous* activations of group t of token row g: four
   16-byte vectors, no data movement at all (`x_layout`). `convert_layout(..., assert_trivial=True)` checks both
   claims at compile time.
-* One warp per program (no barrier, no shared B): programs are (block of block_m sorted rows, ROWS weight rows;
-  gate/up: ROWS gate rows and the ROWS matching up rows sharing one B). Bytes per trip and program: codes
+* One warp per program by default (no shared B; the barriers Gluon puts before each refill of a ring slot cost
+  one warp nothing): programs are (block of block_m sorted rows, ROWS weight rows; gate/up: ROWS gate rows and
+  the ROWS matching up rows sharing one B). WARPS = 2 or 4 split the rows into 16-row slabs per warp and share
+  one x tile (each warp copies a part; a barrier per trip after the copies land): half or a quarter of the L2
+  reads of x per weight byte, for 3 barriers per trip among the warps. Bytes per trip and program: codes
   ROWS x 64 (x 2 gated), x block_m x 256 (fp16/bf16). `default_rows`: gated 32, down 64 (64 code rows: 4 KB of
   codes against 4 KB of x at block_m 16), the most without spills: more rows cut the L2 reads of x per weight
   byte and the instructions per code vector (2.6 at 64 code rows, 2.8 at 32, 3.4 at 16; block_m 16).
@@ -60,16 +63,17 @@ try:  # Gluon ships with Triton >= 3.5
 
     from .w4a16_gluon_gemm import HAVE_GLUON
     if HAVE_GLUON:
-        from .kv_decode_gluon import _decode, _k_layout
+        from .kv_decode_gluon import _decode
 except Exception:  # pragma: no cover - an old Triton: the Triton kernel keeps every call
     HAVE_GLUON = False
 
 
-def supported(fmt: str, block_m: int, k: int, rows: int = 32, on_gpu: bool = True) -> bool:
-    """Whether the Gluon kernel takes the call: NVFP4, block_m 8/16/32, K a multiple of 128, ROWS 16-128 (a power
-    of 2), Gluon importable, a CUDA tensor and no interpreter."""
-    return (HAVE_GLUON and fmt == "nvfp4" and block_m in BLOCK_MS and k % TRIP_K == 0
-            and rows in (16, 32, 64, 128) and on_gpu and os.environ.get("TRITON_INTERPRET", "0") != "1")
+def supported(fmt: str, block_m: int, k: int, rows: int = 32, on_gpu: bool = True, warps: int = 1) -> bool:
+    """Whether the Gluon kernel takes the call: NVFP4, block_m 8/16/32, K a multiple of 128, 1, 2 or 4 warps of
+    16-128 rows each (powers of 2), Gluon importable, a CUDA tensor and no interpreter."""
+    return (HAVE_GLUON and fmt == "nvfp4" and block_m in BLOCK_MS and k % TRIP_K == 0 and warps in (1, 2, 4)
+            and rows % warps == 0 and rows // warps in (16, 32, 64, 128) and on_gpu
+            and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 def default_rows(gated: bool, block_m: int) -> int:
@@ -78,10 +82,10 @@ def default_rows(gated: bool, block_m: int) -> int:
     return 32 if gated else 64
 
 
-def takes(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, block_m: int, rows: int) -> bool:
+def takes(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, block_m: int, rows: int, warps: int = 1) -> bool:
     """`supported`, and tensors the kernel can copy as 16-byte vectors: 16-bit x with unit inner stride and
     16-byte aligned rows, a 16-bit output."""
-    return (supported(w.fmt, block_m, w.k, rows, x.is_cuda) and x.dtype in (torch.float16, torch.bfloat16)
+    return (supported(w.fmt, block_m, w.k, rows, x.is_cuda, warps) and x.dtype in (torch.float16, torch.bfloat16)
             and y.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1 and x.stride(0) % 16 == 0
             and x.data_ptr() % 16 == 0 and y.stride(-1) == 1)
 
@@ -138,16 +142,40 @@ def emulate_launch(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, routi
 
 if HAVE_GLUON:
     @gluon.constexpr_function
-    def x_layout(block_m):
+    def x_layout(block_m, warps=1, copy=False):
         """[block_m, 4 (group gr), 32 (element e)] activations of one trip: lane (g, t) -> token row g, group t;
-        registers: the 32 contiguous elements (four 16-byte vectors), then token rows + 8, + 16."""
+        registers: the 32 contiguous elements (four 16-byte vectors), then token rows + 8, + 16. Several warps
+        read all of it (the MMA's B is every warp's); copy=True: the copy into shared memory, its last register
+        bases split over the warps instead (each byte copied once)."""
         reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]]
         r = 8
         while r < block_m:
             reg.append([r, 0, 0])
             r *= 2
+        warp = []
+        w = 1
+        while w < warps:
+            warp.append(reg.pop() if copy else [0, 0, 0])
+            w *= 2
         lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-        return gl.DistributedLinearLayout(reg, lane, [], [], [block_m, 4, 32])
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [block_m, 4, 32])
+
+    @gluon.constexpr_function
+    def code_layout(rows, warps=1):
+        """[rows, 4 (group gr), 4 (word w)] int32 code words as the MMA's A fragments want them: lane (g, t) -> rows
+        g, group t; registers: the 4 words of the group (one 16-byte load), row + 8; warps: 16-row slabs; then
+        rows + 16 * warps ... in registers (kv_decode_gluon._k_layout at one warp)."""
+        reg = [[0, 0, 1], [0, 0, 2], [8, 0, 0]]
+        warp = []
+        r = 16
+        while r < 16 * warps:
+            warp.append([r, 0, 0])
+            r *= 2
+        while r < rows:
+            reg.append([r, 0, 0])
+            r *= 2
+        lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 4, 4])
 
     @gluon.constexpr_function
     def x_smem_layout(block_m):
@@ -181,16 +209,21 @@ if HAVE_GLUON:
                           N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
                           acc_factor, TOP_K: gl.constexpr, GATED: gl.constexpr, X_PRE: gl.constexpr,
                           OUT_SCALED: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
-                          STAGES: gl.constexpr):
-        """Grid (block, ROWS-row tile of N), one warp. _moe_gemm_kernel's contract: GATED y[sorted row, n] =
+                          STAGES: gl.constexpr, WARPS: gl.constexpr):
+        """Grid (block, ROWS-row tile of N), WARPS warps (16-row slabs of the tile each; one x tile for all). _moe_gemm_kernel's contract: GATED y[sorted row, n] =
         silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]) (rows n and N + n of w); else y[assign, n] = topk_w[assign]
         * (x[sorted row] . W[e, n]). w_ptr: int32 code words [E, rows, K/8]; s_ptr: int16 scale pairs
         [E, rows, K/32] (strides in those units)."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, 8])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        wl: gl.constexpr = _k_layout(ROWS)
-        xl: gl.constexpr = x_layout(BLOCK_M)
+        wl: gl.constexpr = code_layout(ROWS, WARPS)
+        xl: gl.constexpr = x_layout(BLOCK_M, WARPS)
+        xc: gl.constexpr = x_layout(BLOCK_M, WARPS, True)
+        # x slots: 2 at one warp; 3 with several, so that one barrier per trip (after the copies land) also
+        # orders every warp's reads of a slot before its refill two trips later
+        X_SLOTS: gl.constexpr = 2 if WARPS == 1 else 3
         ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
         pid_m = gl.program_id(0)
@@ -210,22 +243,23 @@ if HAVE_GLUON:
             sg_ptr = s_ptr + e64 * stride_se + s_off
             wu_ptr = wg_ptr + N * stride_wn            # up rows F + n (gated only)
             su_ptr = sg_ptr + N * stride_sn
-            toks = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(2, xl)))
+            toks = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(2, xc)))
             if GATED:
                 x_rows = gl.minimum(gl.load(sorted_ids_ptr + toks), n_assign - 1) // TOP_K
             else:
                 x_rows = toks
-            xg = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, xl)))
-            xe = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+            xg = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, xc)))
+            xe = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(1, xc)))
             xr_ptr = x_ptr + gl.expand_dims(gl.expand_dims(x_rows.to(gl.int64) * stride_xm, 1), 2) \
                 + gl.expand_dims(gl.expand_dims(xg * 32, 0), 2) + gl.expand_dims(gl.expand_dims(xe, 0), 1)
 
             wg_s = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 4, 4], ring)
             wu_s = gl.allocate_shared_memory(gl.int32, [STAGES if GATED else 1, ROWS, 4, 4], ring)
-            # x (an L2 hit: the gathered activations or the intermediate just written) one trip ahead in 2 slots;
+            # x (an L2 hit: the gathered activations or the intermediate just written) one trip ahead;
             # the codes (from HBM) STAGES - 1 trips ahead. Commit order: X0, C0 .. C(S-2), then per trip i
             # X(i+1), C(i+S-1); trip i needs X(i) and C(i): all but the 3 groups after X(i) (2 when S = 2).
-            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 4, 32], x_smem_layout(BLOCK_M))
+            x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [X_SLOTS, BLOCK_M, 4, 32],
+                                            x_smem_layout(BLOCK_M))
             trips = K // 128                   # TRIP_K
             last = trips - 1
             async_copy.async_copy_global_to_shared(x_s.index(0), xr_ptr)
@@ -243,7 +277,8 @@ if HAVE_GLUON:
             acc_g = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             acc_u = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             for i in range(0, trips):
-                async_copy.async_copy_global_to_shared(x_s.index((i + 1) % 2), xr_ptr + gl.minimum(i + 1, last) * 128)
+                async_copy.async_copy_global_to_shared(x_s.index((i + 1) % X_SLOTS),
+                                                       xr_ptr + gl.minimum(i + 1, last) * 128)
                 async_copy.commit_group()
                 ahead = (i + STAGES - 1) % STAGES      # the slot trip i - 1 read
                 c = gl.minimum(i + STAGES - 1, last)
@@ -255,8 +290,10 @@ if HAVE_GLUON:
                     async_copy.wait_group(3)
                 else:
                     async_copy.wait_group(2)
+                if WARPS > 1:
+                    gl.thread_barrier()            # the other warps' parts of x(i) have landed too
                 slot = i % STAGES
-                b = _b_operand(x_s.index(i % 2).load(xl), X_PRE, BLOCK_M, b_op)
+                b = _b_operand(x_s.index(i % X_SLOTS).load(xl), X_PRE, BLOCK_M, b_op)
                 acc_g = mma_v2(_a_operand(wg_s.index(slot).load(wl), sg, ROWS, a_op), b, acc_g)
                 if GATED:
                     acc_u = mma_v2(_a_operand(wu_s.index(slot).load(wl), su, ROWS, a_op), b, acc_u)
@@ -290,7 +327,7 @@ if HAVE_GLUON:
 
 def kernel_args(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, sorted_ids: torch.Tensor,
                 block_expert: torch.Tensor, topk_w, n_assign: int, top_k: int, block_m: int, gated: bool,
-                rows: int, stages: int = RING_STAGES) -> dict:
+                rows: int, stages: int = RING_STAGES, warps: int = 1) -> dict:
     """The kernel's arguments by name (the launch and tools/inspect_moe_sm90.py, which compiles on a CPU)."""
     words = w.qweight.view(torch.int32)      # [E, rows, K/8]: K % 128 == 0 keeps rows 16-byte aligned
     pairs = w.scales.view(torch.int16)       # [E, rows, K/32]
@@ -300,11 +337,11 @@ def kernel_args(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, sorted_i
                 stride_wn=words.stride(1), stride_se=pairs.stride(0), stride_sn=pairs.stride(1),
                 stride_xm=x.stride(0), stride_ym=y.stride(0), acc_factor=FP16_ACC_FACTOR, TOP_K=top_k,
                 GATED=gated, X_PRE=x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16,
-                BLOCK_M=block_m, ROWS=rows, STAGES=stages)
+                BLOCK_M=block_m, ROWS=rows, STAGES=stages, WARPS=warps)
 
 
 def launch(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, routing, topk_w, gated: bool, rows: int,
-           stages: int = RING_STAGES) -> torch.Tensor:
+           stages: int = RING_STAGES, warps: int = 1) -> torch.Tensor:
     """moe_grouped_gemm._launch's contract on this kernel (the caller checked `supported`). No host sync, no
     allocation: CUDA-graph capturable."""
     if x.stride(-1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
@@ -313,6 +350,6 @@ def launch(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, routing, topk
     n = w.n // 2 if gated else w.n
     grid = (routing.num_blocks, triton.cdiv(n, rows))
     _moe_gluon_kernel[grid](**kernel_args(x, w, y, routing.sorted_ids, routing.block_expert, topk_w,
-                                          routing.n_assign, routing.top_k, routing.block_m, gated, rows, stages),
-                            num_warps=1)
+                                          routing.n_assign, routing.top_k, routing.block_m, gated, rows, stages,
+                                          warps), num_warps=warps)
     return y

@@ -194,8 +194,9 @@ class MoEConfig:
     gemv: bool = False        # CUDA-core kernel (moe_gemv.py; NVFP4, block_m <= 2, block_k = K per step)
     tma: bool = False         # tensor-core kernel: weight tiles through a TMA tensor descriptor
     gluon: bool = False       # the Gluon kernel (moe_gluon.py; NVFP4, block_m 8/16/32, K % 128 == 0, CUDA):
-    #                           block_n = weight rows per one-warp program, num_stages = its cp.async ring
-    #                           slots, block_k = 128; any other call runs the Triton kernel instead
+    #                           block_n = weight rows per program, split over num_warps warps (1, 2, 4: one
+    #                           x tile for all), num_stages = its cp.async code ring, block_k = 128; any other
+    #                           call runs the Triton kernel instead
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -203,11 +204,13 @@ class MoEConfig:
 GLUON_DEFAULT = False
 
 
-def gluon_moe_config(block_m: int, gated: bool, x_pre: bool = False, rows: int = 0, stages: int = 3) -> MoEConfig:
-    """A Gluon config: rows per program default to moe_gluon.default_rows (the compile-checked no-spill ones)."""
+def gluon_moe_config(block_m: int, gated: bool, x_pre: bool = False, rows: int = 0, stages: int = 3,
+                     warps: int = 1) -> MoEConfig:
+    """A Gluon config: rows per warp default to moe_gluon.default_rows (the compile-checked no-spill ones)."""
     from .moe_gluon import default_rows
 
-    return MoEConfig(block_m, rows or default_rows(gated, block_m), 128, 1, stages, x_pre=x_pre, gluon=True)
+    return MoEConfig(block_m, rows or warps * default_rows(gated, block_m), 128, warps, stages, x_pre=x_pre,
+                     gluon=True)
 
 
 # the CUDA-core path while routed experts average at most this many assignments (H200, E=128 top-8: at 2
@@ -255,8 +258,8 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     if cfg.gluon:
         from .moe_gluon import launch as launch_gluon, takes
 
-        if cfg.fp16_dot and takes(x, w, y, cfg.block_m, cfg.block_n):
-            return launch_gluon(x, w, y, routing, topk_w, gated, cfg.block_n, cfg.num_stages)
+        if cfg.fp16_dot and takes(x, w, y, cfg.block_m, cfg.block_n, cfg.num_warps):
+            return launch_gluon(x, w, y, routing, topk_w, gated, cfg.block_n, cfg.num_stages, cfg.num_warps)
         # not the Gluon kernel's call (MXFP4, no GPU, another block_m ...): the Triton kernel's usual tiles
         cfg = replace(cfg, gluon=False, block_n=64, block_k=min(128, _bk(k)), num_warps=4,
                       num_stages=max(2, cfg.num_stages))
@@ -362,7 +365,8 @@ def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, to
         if gate_up_config is None:
             down_config = heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt)
         elif gate_up_config.gluon:
-            down_config = gluon_moe_config(routing.block_m, False, stages=gate_up_config.num_stages)
+            down_config = gluon_moe_config(routing.block_m, False, stages=gate_up_config.num_stages,
+                                           warps=gate_up_config.num_warps)
         else:
             g = gate_up_config
             down_config = MoEConfig(routing.block_m, 64 if g.gemv else 128, _bk(w2.k), 4, 1 if g.gemv else 3,

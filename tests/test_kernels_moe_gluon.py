@@ -135,12 +135,14 @@ def test_heuristic_keeps_triton_until_the_switch_is_flipped(monkeypatch):
 
 
 def test_supported_needs_nvfp4_a_block_of_8_to_32_rows_and_k_multiple_of_128():
-    ok = dict(fmt="nvfp4", block_m=16, k=2048, rows=32, on_gpu=True)
+    ok = dict(fmt="nvfp4", block_m=16, k=2048, rows=32, on_gpu=True, warps=1)
     if not moe_gluon.HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1":
         assert not moe_gluon.supported(**ok)
         return
     assert moe_gluon.supported(**ok)
-    for bad in (dict(fmt="mxfp4"), dict(block_m=64), dict(k=2000), dict(rows=48), dict(on_gpu=False)):
+    assert moe_gluon.supported(**{**ok, "rows": 128, "warps": 4})
+    for bad in (dict(fmt="mxfp4"), dict(block_m=64), dict(k=2000), dict(rows=48), dict(on_gpu=False),
+                dict(warps=3), dict(rows=32, warps=4)):
         assert not moe_gluon.supported(**{**ok, **bad}), bad
 
 
@@ -182,13 +184,13 @@ def test_gate_up_matches_triton_and_leaves_pad_rows(block_m, x_pre):
     ref = moe_gate_up(x, w13, routing, tri)
     pad = routing.sorted_ids >= routing.n_assign
     assert pad.any()
-    for rows in (16, 32, 64):
-        cfg = gluon_moe_config(block_m, True, x_pre, rows=rows)
+    for rows, warps in ((16, 1), (32, 1), (64, 1), (64, 2), (128, 4)):
+        cfg = gluon_moe_config(block_m, True, x_pre, rows=rows, warps=warps)
         xin = to_fp16_operand(x) if x_pre else x
         h = torch.full_like(ref, float("nan"))
         mg._launch(xin, w13, h, routing, None, True, cfg)
-        assert torch.isnan(h[pad]).all(), (seed, rows, "pad rows written")
-        assert _rel(h[~pad], ref[~pad]) < 1e-2, (seed, rows, _rel(h[~pad], ref[~pad]))
+        assert torch.isnan(h[pad]).all(), (seed, rows, warps, "pad rows written")
+        assert _rel(h[~pad], ref[~pad]) < 1e-2, (seed, rows, warps, _rel(h[~pad], ref[~pad]))
 
 
 @gpu_only
@@ -204,10 +206,10 @@ def test_down_matches_triton(block_m, h_dtype):
     hs[routing.sorted_ids >= routing.n_assign] = float("nan")        # pad rows: garbage the kernel must not use
     twf = tw.reshape(-1).float().contiguous()
     ref = moe_down(hs, w2, routing, tw, MoEConfig(block_m, 128, 128, 4, 3))
-    for rows in (16, 32, 64):
+    for rows, warps in ((16, 1), (32, 1), (64, 1), (128, 2), (256, 4)):
         y = torch.full_like(ref, float("nan"))
-        mg._launch(hs, w2, y, routing, twf, False, gluon_moe_config(block_m, False, rows=rows))
-        assert _rel(y, ref) < 1e-2, (seed, rows, _rel(y, ref))
+        mg._launch(hs, w2, y, routing, twf, False, gluon_moe_config(block_m, False, rows=rows, warps=warps))
+        assert _rel(y, ref) < 1e-2, (seed, rows, warps, _rel(y, ref))
 
 
 @gpu_only
@@ -217,9 +219,9 @@ def test_pipeline_matches_reference(block_m):
     gen = torch.Generator().manual_seed(seed)
     w13, w2, x, ids, tw = _case(gen, t=70)
     ref = moe_w4a16_reference(x, w13, w2, ids, tw)
-    for x_pre in (True, False):
-        y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gluon_moe_config(block_m, True, x_pre))
-        assert _rel(y, ref) < MOE_TOL, (seed, x_pre)
+    for x_pre, warps in ((True, 1), (False, 1), (True, 2)):
+        y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gluon_moe_config(block_m, True, x_pre, warps=warps))
+        assert _rel(y, ref) < MOE_TOL, (seed, x_pre, warps)
 
 
 @gpu_only

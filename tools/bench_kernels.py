@@ -202,6 +202,10 @@ def gluon_moe_variants(moe, n_assign):
                 (replace(gu, num_stages=4), replace(dn, num_stages=4)), (replace(gu, x_pre=not x_pre), dn)]
         out += [(moe.gluon_moe_config(bm, True, x_pre, rows=r), dn) for r in ((16, 64) if bm == 16 else (16,))]
         out += [(gu, moe.gluon_moe_config(bm, False, rows=r)) for r in ((16, 32) if bm == 16 else (32,))]
+        # 2 and 4 warps per program, each with the default rows, sharing one x tile (half / a quarter of the
+        # L2 reads of x per weight byte; ~12 warps per SM either way)
+        out += [(moe.gluon_moe_config(bm, True, x_pre, warps=w), moe.gluon_moe_config(bm, False, warps=w))
+                for w in (2, 4)]
     return out
 
 

@@ -54,7 +54,7 @@ def _compile(fn, kwargs: dict, options: dict, gluon: bool):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool):
+def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool, warps: int = 1):
     import megatron_qrl.kernels.moe_gluon as g
     w = _weights(gated)
     nb = 64
@@ -63,8 +63,8 @@ def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool
     y = torch.zeros((nb * block_m, f), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
     ids = torch.zeros(nb * block_m, dtype=torch.int32)
     kw = g.kernel_args(x, w, y, ids, ids[:nb], None if gated else torch.zeros(1024), 1024, TOP_K, block_m, gated,
-                       rows, stages)
-    return _compile(g._moe_gluon_kernel, kw, dict(num_warps=1), True)
+                       rows, stages, warps)
+    return _compile(g._moe_gluon_kernel, kw, dict(num_warps=warps), True)
 
 
 def compile_triton(gated: bool, block_m: int, x_pre: bool):
@@ -136,7 +136,8 @@ def report(name: str, kernel, code_vectors_per_trip: int, warps: int, dump: str)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--block-m", default="16,32")
-    ap.add_argument("--rows", default="", help="Gluon weight rows per program (default: moe_gluon's per projection)")
+    ap.add_argument("--rows", default="", help="Gluon weight rows per warp (default: moe_gluon's per projection)")
+    ap.add_argument("--warps", default="1", help="Gluon warps per program (sharing one x tile), e.g. 1,2,4")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--proj", default="gated,down")
     ap.add_argument("--bf16-x", action="store_true", help="gate/up on bf16 x (converted in the kernel)")
@@ -156,8 +157,10 @@ def main(argv=None) -> int:
                        cfg.num_warps, a.dump)
             rows_list = [int(v) for v in a.rows.split(",")] if a.rows else [g.default_rows(gated, bm)]
             for rows in rows_list:
-                k = compile_gluon(gated, bm, rows, a.stages, x_pre)
-                report(f"gluon {proj} bm{bm} rows{rows} s{a.stages}", k, rows * (2 if gated else 1) * 4, 1, a.dump)
+                for warps in (int(v) for v in a.warps.split(",")):
+                    k = compile_gluon(gated, bm, rows * warps, a.stages, x_pre, warps)
+                    report(f"gluon {proj} bm{bm} rows{rows}x{warps}w s{a.stages}", k,
+                           rows * warps * (2 if gated else 1) * 4, warps, a.dump)
     return 0
 
 
