@@ -20,7 +20,7 @@ Reference: `moe_w4a16_reference` (per-expert loop of dequantize + matmul).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -193,6 +193,24 @@ class MoEConfig:
     x_pre: bool = False       # fp16 path: convert the input once (gate/up); the intermediate is then fp16
     gemv: bool = False        # CUDA-core kernel (moe_gemv.py; NVFP4, block_m <= 2, block_k = K per step)
     tma: bool = False         # tensor-core kernel: weight tiles through a TMA tensor descriptor
+    gluon: bool = False       # the Gluon kernel (moe_gluon.py; NVFP4, block_m 8/16/32, K % 128 == 0, CUDA):
+    #                           block_n = weight rows per program, split over num_warps warps (1, 2, 4: one
+    #                           x tile for all), num_stages = its cp.async code ring, block_k = 128; any other
+    #                           call runs the Triton kernel instead
+
+
+# The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
+# tools/bench_kernels.py has measured it on an H100 / H200 (the G... configs of its MoE sweep).
+GLUON_DEFAULT = False
+
+
+def gluon_moe_config(block_m: int, gated: bool, x_pre: bool = False, rows: int = 0, stages: int = 3,
+                     warps: int = 1) -> MoEConfig:
+    """A Gluon config: rows per warp default to moe_gluon.default_rows (the compile-checked no-spill ones)."""
+    from .moe_gluon import default_rows
+
+    return MoEConfig(block_m, rows or warps * default_rows(gated, block_m), 128, warps, stages, x_pre=x_pre,
+                     gluon=True)
 
 
 # the CUDA-core path while routed experts average at most this many assignments (H200, E=128 top-8: at 2
@@ -214,6 +232,10 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
         return MoEConfig(1, 32 if gated else 64, _bk(k), 4, 1, gemv=True)
     bm = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
     x_pre = bm == 16 and n_assign >= 64
+    if GLUON_DEFAULT and fmt == "nvfp4" and bm in (16, 32) and k % 128 == 0:
+        # the fp16 operand at both block sizes: the Gluon kernel converts bf16 x per program and trip, +25-45%
+        # instructions in its loop (tools/inspect_moe_sm90.py --bf16-x)
+        return gluon_moe_config(bm, gated, n_assign >= 64)
     bn = 64 if gated or bm == 16 else 128
     # 128-wide K steps (not 256) for 16-token blocks and every down projection up to 32-token blocks:
     # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)
@@ -233,6 +255,14 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     intermediate (gate/up with x_pre)."""
     n = w.n // 2 if gated else w.n
     k = w.k
+    if cfg.gluon:
+        from .moe_gluon import launch as launch_gluon, takes
+
+        if cfg.fp16_dot and takes(x, w, y, cfg.block_m, cfg.block_n, cfg.num_warps):
+            return launch_gluon(x, w, y, routing, topk_w, gated, cfg.block_n, cfg.num_stages, cfg.num_warps)
+        # not the Gluon kernel's call (MXFP4, no GPU, another block_m ...): the Triton kernel's usual tiles
+        cfg = replace(cfg, gluon=False, block_n=64, block_k=min(128, _bk(k)), num_warps=4,
+                      num_stages=max(2, cfg.num_stages))
     if k % cfg.block_k:
         raise ValueError(f"MoE config block_k={cfg.block_k} does not divide K={k}")
     if cfg.gemv:
@@ -334,6 +364,9 @@ def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, to
     if down_config is None:
         if gate_up_config is None:
             down_config = heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt)
+        elif gate_up_config.gluon:
+            down_config = gluon_moe_config(routing.block_m, False, stages=gate_up_config.num_stages,
+                                           warps=gate_up_config.num_warps)
         else:
             g = gate_up_config
             down_config = MoEConfig(routing.block_m, 64 if g.gemv else 128, _bk(w2.k), 4, 1 if g.gemv else 3,

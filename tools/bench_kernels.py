@@ -144,7 +144,7 @@ def rel_err(y, ref):
 def dense_configs(dense, fmt, m, n, k, mode, only=""):
     """The default config, plus (mode "all") the autotuner's candidates, optionally only those whose names
     start with one of the comma-separated prefixes in `only` (e.g. "T,V": the two GEMV kernels)."""
-    if mode == "heuristic":
+    if mode in ("heuristic", "gluon"):
         return [dense.heuristic_config(fmt, m, n, k)]
     cands = dense.candidate_configs(fmt, m, n, k)
     if only:
@@ -158,7 +158,7 @@ def moe_configs(moe, t, mode):
     gu = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["ffn"], MOE["hidden"], True)
     dn = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["hidden"], MOE["ffn"], False)
     out = [(gu, dn)]
-    if mode != "heuristic" and n_assign <= 4 * MOE["experts"]:
+    if mode == "all" and n_assign <= 4 * MOE["experts"]:
         # the CUDA-core GEMV (block_m tokens per program, gate/up and down weight-row tiles)
         for bm, bn_gu, bn_dn, w in ((1, 32, 64, 4), (1, 64, 64, 4), (1, 64, 128, 8), (2, 32, 64, 4),
                                     (2, 64, 64, 4), (2, 32, 32, 4), (2, 64, 64, 8)):
@@ -168,14 +168,14 @@ def moe_configs(moe, t, mode):
         gu = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["ffn"], MOE["hidden"], True, gemv=False)
         dn = moe.heuristic_moe_config(n_assign, MOE["experts"], MOE["hidden"], MOE["ffn"], False, gemv=False)
         out.append((gu, dn))
-    if mode != "heuristic":   # the tensor-core defaults of the neighbouring block_m buckets (16 / 32 / 64 rows)
+    if mode == "all":     # the tensor-core defaults of the neighbouring block_m buckets (16 / 32 / 64 rows)
         for per_expert in (8, 32, 64):
             n_alt = per_expert * MOE["experts"]
             alt = (moe.heuristic_moe_config(n_alt, MOE["experts"], MOE["ffn"], MOE["hidden"], True, gemv=False),
                    moe.heuristic_moe_config(n_alt, MOE["experts"], MOE["hidden"], MOE["ffn"], False, gemv=False))
             if alt[0].block_m != gu.block_m:
                 out.append((replace(alt[0], x_pre=alt[0].x_pre and n_assign >= 64), alt[1]))
-    if mode != "heuristic":   # the tensor-core kernel: one step in each direction from its default
+    if mode == "all":     # the tensor-core kernel: one step in each direction from its default
         gk = gu.block_k
         out += [(replace(gu, block_k=max(32, gk // 2), num_stages=4), dn), (replace(gu, num_stages=4), dn),
                 (replace(gu, block_k=min(256, 2 * gk)), dn), (replace(gu, block_n=32), dn),
@@ -185,7 +185,37 @@ def moe_configs(moe, t, mode):
                 (gu, replace(dn, block_n=32)), (gu, replace(dn, block_n=128, num_warps=8)),
                 (replace(gu, tma=not gu.tma), replace(dn, tma=not dn.tma)), (replace(gu, tma=not gu.tma), dn),
                 (gu, replace(dn, tma=not dn.tma))]
+    if mode in ("gluon", "all"):
+        out += gluon_moe_variants(moe, n_assign)
     return list(dict.fromkeys(out))
+
+
+def gluon_moe_variants(moe, n_assign):
+    """The Gluon kernel (kernels/moe_gluon.py) at block_m 16 and 32: its default rows per program (the
+    no-spill ones of tools/inspect_moe_sm90.py) with 2-4 ring slots, then other gate/up and down row counts
+    and the bf16 input converted in the kernel (x_pre toggled)."""
+    out = []
+    for bm in (16, 32):
+        x_pre = n_assign >= 64
+        gu, dn = moe.gluon_moe_config(bm, True, x_pre), moe.gluon_moe_config(bm, False)
+        out += [(gu, dn), (replace(gu, num_stages=2), replace(dn, num_stages=2)),
+                (replace(gu, num_stages=4), replace(dn, num_stages=4)), (replace(gu, x_pre=not x_pre), dn)]
+        out += [(moe.gluon_moe_config(bm, True, x_pre, rows=r), dn) for r in ((16, 64) if bm == 16 else (16,))]
+        out += [(gu, moe.gluon_moe_config(bm, False, rows=r)) for r in ((16, 32) if bm == 16 else (32,))]
+        # 2 and 4 warps per program, each with the default rows, sharing one x tile (half / a quarter of the
+        # L2 reads of x per weight byte; ~12 warps per SM either way)
+        out += [(moe.gluon_moe_config(bm, True, x_pre, warps=w), moe.gluon_moe_config(bm, False, warps=w))
+                for w in (2, 4)]
+    return out
+
+
+def moe_config_name(gu, dn) -> str:
+    """A bench row's name: kernel, gate/up tiles (block_m x rows x block_k), down tiles."""
+    kind = "gemv " if gu.gemv else "gluon " if gu.gluon else ""
+    return (f"{kind}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
+            f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''} dn "
+            f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
+            f"{'/tma' if dn.tma else ''}")
 
 
 def plan(args):
@@ -451,9 +481,7 @@ def bench_moe(args, copy_bw, log):
                         moe.moe_w4a16_reference(xx, w13q, w2q, i2, w2r, deq)),
                 rel_err(moe.moe_w4a16(x, w13q, w2q, ids, tw, gate_up_config=gu, down_config=dn), ref)),
                 float("inf"))
-            name = (f"{'gemv ' if gu.gemv else ''}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
-                    f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''} dn {dn.block_n}x"
-                    f"{dn.block_k}/w{dn.num_warps}s{dn.num_stages}{'/tma' if dn.tma else ''}")
+            name = moe_config_name(gu, dn)
             if err > 2e-2:
                 results.append(dict(config=name, err=err, us=None))
                 log(f"  FAIL moe T={t} {name} rel_err={err:.3e}")
@@ -464,6 +492,7 @@ def bench_moe(args, copy_bw, log):
                                                        down_config=dn)
                  for w, r, ww in zip(fp4, ralign, routs)], args.rep_ms))
             results.append(dict(config=name, err=err, us=us))
+            log(f"  moe T={t} {name}: {us if us is not None else float('nan'):.1f} us, rel_err {err:.1e}")
         align_us = safe(log, "moe_align timing", lambda: graph_time_us(
             [lambda i=i: moe.moe_align(i, e, 16) for i, _ in routs], args.rep_ms), float("nan"))
         ok = [r for r in results if r["us"] is not None]
@@ -556,6 +585,13 @@ def profile(args):
         x = torch.randn(32, h, device=DEV, dtype=torch.bfloat16)
         ids, tw = _routing(32)
         cases.append(("moe T=32", lambda: moe.moe_w4a16(x, w13, w2, ids, tw)))
+        # batch 256 (16 rows per expert): the Triton heuristic and the Gluon kernel's default (kernels/moe_gluon.py)
+        x256 = torch.randn(256, h, device=DEV, dtype=torch.bfloat16)
+        ids256, tw256 = _routing(256)
+        cases.append(("moe T=256 triton", lambda: moe.moe_w4a16(x256, w13, w2, ids256, tw256)))
+        gu, dn = moe.gluon_moe_config(16, True, True), moe.gluon_moe_config(16, False)
+        cases.append(("moe T=256 gluon", lambda: moe.moe_w4a16(x256, w13, w2, ids256, tw256, gate_up_config=gu,
+                                                              down_config=dn)))
     for _, fn in cases:  # compile + warm up outside the profiled range
         fn()
     torch.cuda.synchronize()
@@ -596,7 +632,9 @@ def main():
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
-    ap.add_argument("--configs", choices=["heuristic", "all"], default="heuristic")
+    ap.add_argument("--configs", choices=["heuristic", "all", "gluon"], default="heuristic",
+                    help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
+                    "(dense shapes: the heuristic config)")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")

@@ -50,7 +50,7 @@ if [ "${NCU:-0}" = "1" ]; then
   NCU_BIN="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
   if [ -n "$NCU_BIN" ]; then
     timeout "${NCU_TIMEOUT:-120}" "$NCU_BIN" --clock-control none --profile-from-start off --target-processes all \
-      -k regex:"${NCU_KERNELS:-w4a16|moe_gemm|gemv|gemm|nvjet|xmma|cutlass}" \
+      -k regex:"${NCU_KERNELS:-w4a16|moe_gemm|moe_gluon|gemv|gemm|nvjet|xmma|cutlass}" \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
       python3 tools/bench_kernels.py --out "$OUT/prof" --profile ${NCU_ONLY:+--only "$NCU_ONLY"} > "$OUT/ncu.txt" 2>&1

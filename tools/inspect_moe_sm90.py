@@ -1,0 +1,168 @@
+"""Compile the grouped MoE W4A16 kernels for sm_90a without a GPU: the Gluon kernel (kernels/moe_gluon.py) and the
+Triton `_moe_gemm_kernel` at its heuristic config, and compare what ptxas made of them.
+
+Prints per kernel and projection: registers, spills, shared memory, the TTGIR layout traffic, the SASS
+instruction mix of the hot loop (tools/inspect_attention_sm90.py's pipes), and that loop's instructions per
+16-byte code vector (one weight row, one 32-element packing group: the unit both kernels stream). Why: device
+time is short; a variant that spills or issues more per weight byte is known before a GPU call.
+
+Needs Triton 3.6 in the running Python (tools/compile_gluon_sm90.py says how):
+    PYTHONPATH=$PWD /tmp/t36/bin/python tools/inspect_moe_sm90.py [--block-m 16,32] [--rows 32,64] [--dump DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compile_gluon_sm90 import cuobjdump, regs_of  # noqa: E402
+from inspect_attention_sm90 import mix, ttgir_traffic  # noqa: E402
+
+E, H, F, TOP_K = 128, 2048, 768, 8
+
+
+def _weights(gated: bool):
+    from megatron_qrl.kernels.layouts import PreparedFP4Weight
+    n, k = (2 * F, H) if gated else (H, F)
+    return PreparedFP4Weight(torch.zeros((E, n, k // 2), dtype=torch.uint8), torch.zeros((E, n, k // 16),
+                             dtype=torch.uint8), torch.ones(E), "nvfp4", n, k, E)
+
+
+def _compile(fn, kwargs: dict, options: dict, gluon: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    constexprs = {(i,): kwargs[name] for i, name in enumerate(fn.arg_names) if fn.params[i].is_constexpr}
+    signature = {name: "constexpr" if (i,) in constexprs else mangle_type(kwargs[name])
+                 for i, name in enumerate(fn.arg_names)}
+    # what the JIT specializes at launch: tensors 16-byte aligned, integers divisible by 16 unless excluded
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if (i,) not in constexprs and (isinstance(kwargs[name], torch.Tensor) or (
+                 isinstance(kwargs[name], int) and not isinstance(kwargs[name], bool)
+                 and kwargs[name] % 16 == 0 and i not in fn.do_not_specialize))}
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+        source = GluonASTSource(fn, signature, constexprs, attrs)
+    else:
+        source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool, warps: int = 1):
+    import megatron_qrl.kernels.moe_gluon as g
+    w = _weights(gated)
+    nb = 64
+    x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
+    f = w.n // 2 if gated else w.n
+    y = torch.zeros((nb * block_m, f), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
+    ids = torch.zeros(nb * block_m, dtype=torch.int32)
+    kw = g.kernel_args(x, w, y, ids, ids[:nb], None if gated else torch.zeros(1024), 1024, TOP_K, block_m, gated,
+                       rows, stages, warps)
+    return _compile(g._moe_gluon_kernel, kw, dict(num_warps=warps), True)
+
+
+def compile_triton(gated: bool, block_m: int, x_pre: bool):
+    """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced)."""
+    from dataclasses import replace
+
+    import megatron_qrl.kernels.moe_grouped_gemm as m
+    from megatron_qrl.kernels.w4a16_gemm import FP16_ACC_FACTOR, weight_descriptor
+    w = _weights(gated)
+    n = w.n // 2 if gated else w.n
+    cfg = replace(m.heuristic_moe_config(E * block_m, E, n, w.k, gated, "nvfp4", gemv=False), block_m=block_m)
+    nb = 64
+    x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
+    y = torch.zeros((nb * block_m, n), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
+    ids = torch.zeros(nb * block_m, dtype=torch.int32)
+    q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if cfg.tma else w.qweight
+    names = m._moe_gemm_kernel.arg_names
+    vals = [x, q, w.scales, w.global_scale, y, ids, ids[:nb], w.global_scale if gated else torch.zeros(1024),
+            n, w.k, 1024, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
+            x.stride(0), y.stride(0), FP16_ACC_FACTOR, TOP_K, gated, False, True, block_m, cfg.block_n,
+            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma]
+    kw = dict(zip(names, vals))
+    return cfg, _compile(m._moe_gemm_kernel, kw, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), False)
+
+
+def k_loop(sass: str) -> list:
+    """The instructions of the K loop: the widest span from a backward branch's target to the branch that holds
+    no EXIT (the Triton kernel's mbarrier retry loops sit after its exit and branch back into the middle of
+    the kernel; their span would count the epilogue)."""
+    addrs, body = [], []
+    for ln in sass.splitlines():
+        ins = re.match(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln)
+        if ins:
+            addrs.append(int(ins.group(1), 16))
+            body.append(ins.group(2))
+    best = (0, -1)
+    for i, ins in enumerate(body):
+        br = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", ins)
+        if br and int(br.group(1), 16) <= addrs[i] and int(br.group(1), 16) in addrs:
+            j = addrs.index(int(br.group(1), 16))
+            if i - j > best[1] - best[0] and not any(re.search(r"\bEXIT\b", b) for b in body[j:i]):
+                best = (j, i)
+    return body[best[0]:best[1] + 1]
+
+
+def report(name: str, kernel, code_vectors_per_trip: int, warps: int, dump: str) -> dict:
+    """Print the kernel's resources and hot-loop mix; code_vectors_per_trip: 16-byte code vectors (row x group)
+    one trip of the loop consumes over the whole program (warps: its warps, each issuing the loop)."""
+    sass = cuobjdump(kernel, "--dump-sass")
+    loop = k_loop(sass)
+    spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
+    m = mix(loop)
+    per_vec = m["total"] * warps / code_vectors_per_trip
+    print(f"== {name}: regs {regs_of(kernel)}, spill insts {spills}, shared {kernel.metadata.shared} B; hot loop "
+          f"{m['total']} SASS x {warps} warps per {code_vectors_per_trip} code vectors = {per_vec:.2f} warp "
+          f"instructions per 16-byte code vector ({per_vec / 16:.3f} per weight byte)")
+    for ln in ttgir_traffic(kernel.asm["ttgir"]):
+        print("   ", ln)
+    print("    loop mix:", m)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        stem = os.path.join(dump, re.sub(r"[^A-Za-z0-9_.-]+", "_", name))
+        for ext, text in (("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"]), ("sass", sass)):
+            with open(f"{stem}.{ext}", "w") as f:
+                f.write(text)
+    return dict(per_vec=per_vec, spills=spills)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--block-m", default="16,32")
+    ap.add_argument("--rows", default="", help="Gluon weight rows per warp (default: moe_gluon's per projection)")
+    ap.add_argument("--warps", default="1", help="Gluon warps per program (sharing one x tile), e.g. 1,2,4")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--proj", default="gated,down")
+    ap.add_argument("--bf16-x", action="store_true", help="gate/up on bf16 x (converted in the kernel)")
+    ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--dump", default="")
+    a = ap.parse_args(argv)
+    import megatron_qrl.kernels.moe_gluon as g
+    x_pre = not a.bf16_x
+    for proj in a.proj.split(","):
+        gated = proj == "gated"
+        for bm in (int(v) for v in a.block_m.split(",")):
+            if not a.no_triton:
+                cfg, k = compile_triton(gated, bm, x_pre)
+                # one trip: block_n rows (x 2 gated) x block_k / 32 groups
+                report(f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                       f"{' tma' if cfg.tma else ''}", k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32,
+                       cfg.num_warps, a.dump)
+            rows_list = [int(v) for v in a.rows.split(",")] if a.rows else [g.default_rows(gated, bm)]
+            for rows in rows_list:
+                for warps in (int(v) for v in a.warps.split(",")):
+                    k = compile_gluon(gated, bm, rows * warps, a.stages, x_pre, warps)
+                    report(f"gluon {proj} bm{bm} rows{rows}x{warps}w s{a.stages}", k,
+                           rows * warps * (2 if gated else 1) * 4, warps, a.dump)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
