@@ -75,6 +75,8 @@ def _parse(argv):
     p.add_argument("--profile", default="", help="batches whose captured fp4/bf16 step is profiled per kernel")
     p.add_argument("--hbm-tbs", type=float, default=4.0, help="bandwidth of the HBM floor (TB/s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe-kernel", choices=["default", "gluon", "triton"], default="default",
+                   help="the grouped expert kernel for NVFP4 blocks of 16/32 rows (moe_grouped_gemm.GLUON_DEFAULT)")
     p.add_argument("--moe-tokens-per-expert", type=float, default=0.0,
                    help="experiment: the grouped-expert tile heuristic sees this many assignments per expert "
                         "instead of the batch's average (0: off), i.e. forces a larger tile class")
@@ -511,8 +513,12 @@ def run(a) -> dict:
     init_distributed(base)
     if a.moe_tokens_per_expert:
         force_moe_tile_class(a.moe_tokens_per_expert)
+    if a.moe_kernel != "default":
+        from megatron_qrl.kernels import moe_grouped_gemm
+
+        moe_grouped_gemm.GLUON_DEFAULT = a.moe_kernel == "gluon"
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-           "moe_tokens_per_expert": a.moe_tokens_per_expert,
+           "moe_tokens_per_expert": a.moe_tokens_per_expert, "moe_kernel": a.moe_kernel,
            "layers": a.layers, "batches": a.batches, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
            "reps": a.reps, "tiny": a.tiny, "targets": a.targets, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {},
            "floor_ms": {}, "checks": {}, "overheads": {}, "decode": {}}
