@@ -176,11 +176,13 @@ def test_tensor_parallel_2_matches_one_process(tmp_path):
     assert res["adapters_moved"] > 1e-3       # the steps did change the adapters' output
 
 
-def test_rl_loop_runs_two_steps_with_lora(tmp_path):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_rl_loop_runs_two_steps_with_lora(tmp_path, decode):
+    """The RL loop in QeRL mode on both decode paths (static: the step the GPU captures as CUDA graphs)."""
     args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"run.output_dir={tmp_path}", "run.total_steps=2",
             "run.eval_every=0", "run.sft_steps=0", "run.wandb_mode=disabled", "rollout.prompts_per_step=2",
             "rollout.group_size=4", "rollout.max_new_tokens=8", "trainer.micro_batch_size=8", "lora.enabled=true",
-            "lora.rank=8"]
+            "lora.rank=8", f"rollout.decode={decode}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "QRL_NO_PROGRESS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
