@@ -592,6 +592,9 @@ def profile(args):
         gu, dn = moe.gluon_moe_config(16, True, True), moe.gluon_moe_config(16, False)
         cases.append(("moe T=256 gluon", lambda: moe.moe_w4a16(x256, w13, w2, ids256, tw256, gate_up_config=gu,
                                                               down_config=dn)))
+        gu4, dn4 = moe.gluon_moe_config(16, True, True, warps=4), moe.gluon_moe_config(16, False, warps=4)
+        cases.append(("moe T=256 gluon 4 warps", lambda: moe.moe_w4a16(x256, w13, w2, ids256, tw256,
+                                                                      gate_up_config=gu4, down_config=dn4)))
     for _, fn in cases:  # compile + warm up outside the profiled range
         fn()
     torch.cuda.synchronize()
