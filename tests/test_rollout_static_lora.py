@@ -6,6 +6,8 @@ ids and every TRACE byte equal the eager engine's. Kernel path (Triton interpret
 over the stacked base plus the stacked adapters against the eager engine on the same kernels, and, on
 identical inputs, against the model's own LoRA experts. An adapters-only sync reaches the static runners.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from test_lora import LORA, TINY
 from test_rollout_engine import prompts
 from test_rollout_static import _raw, assert_same
 
+FRESH_SEEDS = itertools.count(100)
 W4A4 = ["quant.scheme=w4a4", "rollout.scheme=w4a4", "trace.enabled=true", "trace.num_cached_layers=2"]
 
 
@@ -99,12 +102,17 @@ def test_lora_kernel_path_equals_eager_kernel_engine(trainers, scheme):
 
 
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
-def test_lora_kernel_experts_match_the_models_own(trainers, scheme):
+@pytest.mark.parametrize("deltas", ["grouped", "dense"])
+def test_lora_kernel_experts_match_the_models_own(trainers, scheme, deltas, monkeypatch):
     """Identical inputs: stacked base + stacked adapters on the grouped kernels against the LoRA experts'
-    own forward, expert by expert; inactive rows change nothing; an adapters-only sync reaches the stacks."""
+    own forward, expert by expert, with either form of the adapter deltas; inactive rows change nothing; an
+    adapters-only sync reaches the stacks."""
     from megatron_qrl.pipeline.sync import sync_weights
+    from megatron_qrl.rollout import decode_lora
     from megatron_qrl.rollout.decode_experts import MegatronExperts
     from megatron_qrl.rollout.decode_lora import LoRAKernelExperts
+
+    monkeypatch.setattr(decode_lora, "GROUPED_BELOW", 1e9 if deltas == "grouped" else 0.0)
 
     eng = make_engine(trainers, scheme, "static", kernels="on")
     mlp = eng.model.decoder.layers[1].mlp.experts
@@ -132,7 +140,7 @@ def test_lora_kernel_experts_match_the_models_own(trainers, scheme):
     x2 = x.clone()
     x2[2] = 100.0                       # an inactive row's input moves no one's scale or output
     assert torch.equal(sum_slots(ker(x2, ids, probs, active)[0])[active], before[active])
-    perturb_adapters(trainers[scheme], seed=9)
+    perturb_adapters(trainers[scheme], seed=next(FRESH_SEEDS))     # new values whatever ran before
     sync_weights(eng, trainers[scheme], eng.cfg, 1, version=1)       # adapters only, in place
     after = check()
     assert float((after[active] - before[active]).abs().max()) > 1e-2

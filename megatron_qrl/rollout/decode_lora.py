@@ -11,9 +11,10 @@ sees the unquantized x, everything in the model dtype. Here:
   experts' frozen base (prepared once: it never changes) and the adapters of all experts as stacked tensors.
   The fc1 delta joins before SwiGLU, so fc1 runs unfused: each (token, slot) is one row in expert order through
   the sorted-rows kernel (`moe_down`'s, with unit weights), which writes it back in (token, slot) order.
-  Each delta is two torch._grouped_mm over the same rows in expert order (the kernels' block-padded order, group
-  ends from the routing on the device): every expert's  (x A_e^T) B_e^T  with no data-dependent shape, reading
-  only the adapters of the experts the step touches.
+  Each delta is every row's  (x A_e^T) B_e^T  with no data-dependent shape: at few assignments per expert two
+  torch._grouped_mm over the rows in the kernels' expert order (group ends from the routing on the device),
+  reading only the touched experts' adapters; at more, two dense GEMMs against all experts' A and B with the
+  other experts' blocks exactly zero (`GROUPED_BELOW`).
 The adapter parameters of the experts become views of the stacks, so weight syncs (in place) reach the graphs.
 """
 from __future__ import annotations
@@ -61,6 +62,12 @@ def stack_as_views(params: list) -> torch.Tensor:
     return stack
 
 
+# Below this many (token, slot) assignments per expert the deltas run as grouped GEMMs in expert order (reading
+# only the touched experts' adapters); from it on, as two dense GEMMs against every expert's A and B (128 tiny
+# grouped GEMMs cost 44 us each at 2,048 assignments on an H100, the dense ones a fraction: docs/PERF.md).
+GROUPED_BELOW = 1.0
+
+
 class _Adapters:
     """The adapters of one role (fc1 or fc2) of every expert: A [E, r, K], B [E, N, r] (None without adapters)."""
 
@@ -70,11 +77,24 @@ class _Adapters:
         self.A = stack_as_views([lin.lora_A for lin in linears]) if self.rank else None
         self.B = stack_as_views([lin.lora_B for lin in linears]) if self.rank else None
 
-    def delta(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def grouped(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Rows xs [P, K] in expert order (expert e's rows end at offs[e]) -> scale * (x A_e^T) B_e^T [P, N],
         the eager delta's operations per expert (rows past offs[-1] are garbage: the caller drops them)."""
         u = torch._grouped_mm(xs, self.A.transpose(1, 2).to(xs.dtype), offs=offs)
         return torch._grouped_mm(u, self.B.transpose(1, 2).to(xs.dtype), offs=offs) * self.scale
+
+    def dense(self, rows: torch.Tensor, src: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Input rows [m, K], each assignment's row src [n] and expert [n] -> scale * (x A_e^T) B_e^T [n, N] in
+        assignment order: x A^T against every expert's A, each assignment's own block of it placed in an
+        otherwise zero row (exact zeros), times every expert's B."""
+        e, r, k = self.A.shape
+        n = src.shape[0]
+        u = rows.matmul(self.A.view(e * r, k).t().to(rows.dtype)).view(-1, r)          # [m * e, r]
+        sel = u.index_select(0, src * e + expert)                                       # [n, r]
+        blocks = torch.zeros((n, e, r), dtype=u.dtype, device=u.device)
+        blocks.scatter_(1, expert.view(n, 1, 1).expand(n, 1, r), sel.unsqueeze(1))
+        b = self.B.transpose(1, 2).reshape(e * r, -1).to(rows.dtype)                   # [e * r, N]
+        return blocks.view(n, e * r).matmul(b) * self.scale
 
 
 def group_ends(routing, e: int) -> torch.Tensor:
@@ -139,14 +159,20 @@ class LoRAKernelExperts(FP4KernelExperts):
             routing = align_only(flat.unsqueeze(1), e, gu.block_m)
             dn = replace(dn, block_m=gu.block_m)
         sid = routing.sorted_ids.long()                          # assignment per sorted row (pad = n)
-        offs = group_ends(routing, e)
         ones = torch.ones(n, dtype=torch.float32, device=x.device)
-        xs = torch.cat([rows, self._zero_x])[sid]       # rows in expert order, pads zero
+        xs = torch.cat([rows, self._zero_x])[sid]                # rows in expert order, pads zero
         xqs = xs if xq is rows else torch.cat([xq, self._zero_x])[sid]
+        grouped = n < GROUPED_BELOW * e
+        if grouped:   # where each assignment's sorted row is, and where each expert's rows end
+            pos = torch.zeros(n + 1, dtype=torch.long, device=x.device)
+            pos = pos.scatter_(0, sid, torch.arange(sid.numel(), device=x.device))[:n]
+            offs = group_ends(routing, e)
         # fc1 without its SwiGLU epilogue: the sorted-rows kernel (moe_down's) writes (token, slot) order
         g = moe_down(xqs.to(torch.bfloat16), w13, routing, ones, gu).to(dtype)
         if self.fc1.rank:
-            g = g + self._unsort(self.fc1.delta(xs, offs), sid, n)
+            token = torch.arange(n, device=x.device) // k
+            g = g + (self.fc1.grouped(xs, offs).index_select(0, pos) if grouped
+                     else self.fc1.dense(rows.view(B, k, -1)[:, 0], token, flat))
         gate, up = torch.chunk(g, 2, dim=-1)
         # Megatron's SwiGLU, then the router probability before fc2 (rounded to the model dtype)
         h = ((F.silu(gate) * up) * probs.reshape(-1, 1).float()).to(dtype)
@@ -155,18 +181,13 @@ class LoRAKernelExperts(FP4KernelExperts):
         hqs = hs if hq is h else torch.cat([hq, self._zero_h])[sid]
         y = moe_down(hqs.to(torch.bfloat16), w2, routing, ones, dn).to(dtype)
         if self.fc2.rank:
-            y = y + self._unsort(self.fc2.delta(hs, offs), sid, n)
+            y = y + (self.fc2.grouped(hs, offs).index_select(0, pos) if grouped
+                     else self.fc2.dense(h, torch.arange(n, device=x.device), flat))
         out = y.view(B, k, -1)
         if cap1 is None:
             return out, None
         shape = lambda t: t.view(B, k, *t.shape[1:])   # noqa: E731
         return out, {"fc1": {n_: shape(t) for n_, t in cap1.items()}, "fc2": {n_: shape(t) for n_, t in cap2.items()}}
-
-    @staticmethod
-    def _unsort(rows: torch.Tensor, sid: torch.Tensor, n: int) -> torch.Tensor:
-        """Sorted rows -> (token, slot) order [n, ...]: every assignment once, the pads into a dropped row."""
-        out = torch.empty((n + 1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        return out.index_copy_(0, sid, rows)[:n]
 
 
 def lora_dense_linears(engine) -> dict:
