@@ -185,13 +185,14 @@ def test_gate_up_matches_triton_and_leaves_pad_rows(block_m, x_pre):
     ref = moe_gate_up(x, w13, routing, tri)
     pad = routing.sorted_ids >= routing.n_assign
     assert pad.any()
-    for rows, warps in ((16, 1), (32, 1), (64, 1), (64, 2), (128, 4)):
-        cfg = gluon_moe_config(block_m, True, x_pre, rows=rows, warps=warps)
+    # (rows, warps, ring stages): 16 and 32 rows per warp, the scale pairs through rings of 2 and 3 slots
+    for rows, warps, st in ((16, 1, 3), (32, 1, 3), (32, 2, 3), (64, 2, 3), (64, 4, 3), (128, 4, 3), (64, 4, 2)):
+        cfg = gluon_moe_config(block_m, True, x_pre, rows=rows, warps=warps, stages=st)
         xin = to_fp16_operand(x) if x_pre else x
         h = torch.full_like(ref, float("nan"))
         mg._launch(xin, w13, h, routing, None, True, cfg)
-        assert torch.isnan(h[pad]).all(), (seed, rows, warps, "pad rows written")
-        assert _rel(h[~pad], ref[~pad]) < 1e-2, (seed, rows, warps, _rel(h[~pad], ref[~pad]))
+        assert torch.isnan(h[pad]).all(), (seed, rows, warps, st, "pad rows written")
+        assert _rel(h[~pad], ref[~pad]) < 1e-2, (seed, rows, warps, st, _rel(h[~pad], ref[~pad]))
 
 
 @gpu_only
@@ -207,10 +208,11 @@ def test_down_matches_triton(block_m, h_dtype):
     hs[routing.sorted_ids >= routing.n_assign] = float("nan")        # pad rows: garbage the kernel must not use
     twf = tw.reshape(-1).float().contiguous()
     ref = moe_down(hs, w2, routing, tw, MoEConfig(block_m, 128, 128, 4, 3))
-    for rows, warps in ((16, 1), (32, 1), (64, 1), (128, 2), (256, 4)):
+    for rows, warps, st in ((32, 1, 3), (64, 1, 3), (32, 2, 3), (64, 4, 3), (128, 2, 3), (256, 4, 3), (64, 4, 2)):
         y = torch.full_like(ref, float("nan"))
-        mg._launch(hs, w2, y, routing, twf, False, gluon_moe_config(block_m, False, rows=rows, warps=warps))
-        assert _rel(y, ref) < 1e-2, (seed, rows, warps, _rel(y, ref))
+        mg._launch(hs, w2, y, routing, twf, False,
+                   gluon_moe_config(block_m, False, rows=rows, warps=warps, stages=st))
+        assert _rel(y, ref) < 1e-2, (seed, rows, warps, st, _rel(y, ref))
 
 
 @gpu_only
