@@ -89,10 +89,12 @@ def default_rows(gated: bool, block_m: int) -> int:
 
 def takes(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, block_m: int, rows: int, warps: int = 1) -> bool:
     """`supported`, and tensors the kernel can copy as 16-byte vectors: 16-bit x with unit inner stride and
-    16-byte aligned rows, a 16-bit output."""
+    16-byte aligned rows, a 16-bit output, scale rows and experts 8-byte aligned (the kernel's 4-byte cp.async
+    of scale pairs assumes it: stride // 4 * 4)."""
     return (supported(w.fmt, block_m, w.k, rows, x.is_cuda, warps) and x.dtype in (torch.float16, torch.bfloat16)
             and y.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1 and x.stride(0) % 16 == 0
-            and x.data_ptr() % 16 == 0 and y.stride(-1) == 1)
+            and x.data_ptr() % 16 == 0 and y.stride(-1) == 1 and w.scales.stride(-1) == 1
+            and w.scales.stride(1) % 8 == 0 and w.scales.stride(0) % 8 == 0 and w.scales.data_ptr() % 8 == 0)
 
 
 def k_order() -> torch.Tensor:
