@@ -9,7 +9,7 @@ register shuffles). kv_decode_gluon showed the cure; this is the same design for
 * Swapped MMA (mma.sync m16n8k16): M = weight rows of one expert, N = the block's sorted token rows (block_m
   8/16/32: one to four n8 tiles), K = the reduction (H for gate/up, F for down), in trips of 128.
 * In a trip, lane (g, t) takes the whole 32-element packing group t of weight rows g and g + 8 (16 contiguous
-  code bytes each, one 16-byte vector) and its scale pair (one 16-bit load). The MMA sums K in any order that
+  code bytes each, one 16-byte vector) and its scale pair (one 16-bit shared-memory load). The MMA sums K in any order that
   B follows, so the logical K order inside a trip is kv_decode_gluon's q_order:
       k = 64 h + 32 j3 + 16 j2 + 8 j1 + 2 gr + j0   <->   phys = 32 gr + 16 h + 8 j3 + 4 j2 + 2 j1 + j0
   and the B fragment of lane (g, t) is then the 32 *contiguous* activations of group t of token row g: four
@@ -24,13 +24,17 @@ register shuffles). kv_decode_gluon showed the cure; this is the same design for
   codes against 4 KB of x at block_m 16), the most without spills: more rows cut the L2 reads of x per weight
   byte and the instructions per code vector (2.6 at 64 code rows, 2.8 at 32, 3.4 at 16; block_m 16).
 * The code bytes (HBM) arrive STAGES - 1 trips ahead through a ring of shared-memory slots filled by cp.async,
-  x (an L2 hit) one trip ahead through two slots (XOR-swizzled: `x_smem_layout`), the scales one trip ahead in
-  registers; each lane reads back exactly what it copied: no barrier. Shared memory per program at the
+  x (an L2 hit) one trip ahead through two slots (XOR-swizzled: `x_smem_layout`), the scale pairs with the codes
+  (same commit group, [ROWS, 4] int16 per trip, 4-byte copies: `scale_copy_layout`) and a barrier per trip after
+  the wait (the copying lanes are not the reading ones). Until 2026-12-06 the scales came one trip ahead in
+  registers (gl.load): ptxas sank those loads next to their use, and Nsight Compute at T=256 put half of the
+  1-warp kernel's stall cycles on long scoreboard (docs/PERF.md); the SASS loop now holds no LDG. Shared memory
+  per program at the
   defaults: 20 KB at block_m 16 (11 programs per SM), 28 KB at block_m 32 (8 per SM);
   codes in flight per SM: 2 trips x 4 KB x 11 = 88 KB gate/up, against the ~30-40 KB that 3.35-4.8 TB/s needs
   at ~1.5 us of latency over 132 SMs.
 * Instruction budget per 16-byte code vector (one row, one group, one trip): 1 cp.async + 1 LDS.128, one scale
-  load per two vectors, 4 inline-PTX word decodes (w4a16_gluon_gemm._DECODE_WORD_ASM: 10 integer instructions and 4 HMUL2 each)
+  LDS.U16 per two vectors (and a 4-byte cp.async per two rows), 4 inline-PTX word decodes (w4a16_gluon_gemm._DECODE_WORD_ASM: 10 integer instructions and 4 HMUL2 each)
   and block_m / 8 HMMAs shared by 16 rows; tools/inspect_moe_sm90.py prints the SASS mix of the hot loop
   against the Triton kernel's.
 
@@ -77,17 +81,20 @@ def supported(fmt: str, block_m: int, k: int, rows: int = 32, on_gpu: bool = Tru
 
 
 def default_rows(gated: bool, block_m: int) -> int:
-    """Weight rows per program, the most without spills on sm_90a (tools/inspect_moe_sm90.py): gate/up 32 (+ 32
-    up rows; 64 spill at block_m 32), down 64."""
+    """Weight rows per warp, the most without spills on sm_90a (tools/inspect_moe_sm90.py): gate/up 32 (+ 32
+    up rows; 64 spill at block_m 32), down 64. Fewer rows per warp (16) take ~105-115 registers gated and ~70
+    down instead of ~165-180: 16-28 warps per SM instead of 8-12 (docs/PERF.md, second session of 2026-12-06)."""
     return 32 if gated else 64
 
 
 def takes(x: torch.Tensor, w: PreparedFP4Weight, y: torch.Tensor, block_m: int, rows: int, warps: int = 1) -> bool:
     """`supported`, and tensors the kernel can copy as 16-byte vectors: 16-bit x with unit inner stride and
-    16-byte aligned rows, a 16-bit output."""
+    16-byte aligned rows, a 16-bit output, scale rows and experts 8-byte aligned (the kernel's 4-byte cp.async
+    of scale pairs assumes it: stride // 4 * 4)."""
     return (supported(w.fmt, block_m, w.k, rows, x.is_cuda, warps) and x.dtype in (torch.float16, torch.bfloat16)
             and y.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1 and x.stride(0) % 16 == 0
-            and x.data_ptr() % 16 == 0 and y.stride(-1) == 1)
+            and x.data_ptr() % 16 == 0 and y.stride(-1) == 1 and w.scales.stride(-1) == 1
+            and w.scales.stride(1) % 8 == 0 and w.scales.stride(0) % 8 == 0 and w.scales.data_ptr() % 8 == 0)
 
 
 def k_order() -> torch.Tensor:
@@ -178,6 +185,13 @@ if HAVE_GLUON:
         return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 4, 4])
 
     @gluon.constexpr_function
+    def scale_copy_layout(rows, warps=1):
+        """[rows, 4] int16 scale pairs of one trip as cp.async copies them: each thread 4 bytes (2 groups of one
+        row; cp.async's smallest unit), threads over rows, then warps; a small tile repeats over threads (copied
+        twice: harmless)."""
+        return gl.BlockedLayout([1, 2], [16, 2], [warps, 1], [1, 0])
+
+    @gluon.constexpr_function
     def x_smem_layout(block_m):
         """The x tile [block_m, 4, 32] in shared memory: row-major 16-bit elements (token row n: 256 bytes, group
         gr: 64) with the 16-byte chunk index c = e // 8 stored as c ^ (gr1 + 2 n0). One phase of an LDS.128
@@ -235,14 +249,11 @@ if HAVE_GLUON:
             rows = gl.minimum(pid_n * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, gl.SliceLayout(2, wl))), N - 1)
             grs = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, wl)))
             wds = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-            s_off = gl.expand_dims(rows * stride_sn, 1) + gl.expand_dims(grs, 0)
             w_off = gl.expand_dims(gl.expand_dims(rows * stride_wn, 1) + gl.expand_dims(grs * 4, 0), 2) \
                 + gl.expand_dims(gl.expand_dims(wds, 0), 1)
             e64 = expert.to(gl.int64)
             wg_ptr = w_ptr + e64 * stride_we + w_off
-            sg_ptr = s_ptr + e64 * stride_se + s_off
             wu_ptr = wg_ptr + N * stride_wn            # up rows F + n (gated only)
-            su_ptr = sg_ptr + N * stride_sn
             toks = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(2, xc)))
             if GATED:
                 x_rows = gl.minimum(gl.load(sorted_ids_ptr + toks), n_assign - 1) // TOP_K
@@ -253,6 +264,20 @@ if HAVE_GLUON:
             xr_ptr = x_ptr + gl.expand_dims(gl.expand_dims(x_rows.to(gl.int64) * stride_xm, 1), 2) \
                 + gl.expand_dims(gl.expand_dims(xg * 32, 0), 2) + gl.expand_dims(gl.expand_dims(xe, 0), 1)
 
+            # the scale pairs ride the code ring: [ROWS, 4] int16 per trip (8 contiguous bytes per row), copied in
+            # the codes' commit group by lanes other than the readers (a barrier after the wait orders them)
+            sl: gl.constexpr = scale_copy_layout(ROWS, WARPS)
+            s_rows = gl.minimum(pid_n * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, sl)), N - 1)
+            s_grs = gl.arange(0, 4, gl.SliceLayout(0, sl))
+            # K % 128 == 0: the strides are multiples of 4 pairs (8 bytes); the // 4 * 4 tells the compiler so
+            # at any K (the down projection's K/32 = 24 is not specialized as a multiple of 16)
+            sn4 = stride_sn // 4 * 4
+            sc_off = gl.expand_dims(s_rows * sn4, 1) + gl.expand_dims(s_grs, 0)
+            sgc_ptr = s_ptr + e64 * (stride_se // 4 * 4) + sc_off
+            suc_ptr = sgc_ptr + N * sn4
+            s_ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            sg_s = gl.allocate_shared_memory(gl.int16, [STAGES, ROWS, 4], s_ring)
+            su_s = gl.allocate_shared_memory(gl.int16, [STAGES if GATED else 1, ROWS, 4], s_ring)
             wg_s = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 4, 4], ring)
             wu_s = gl.allocate_shared_memory(gl.int32, [STAGES if GATED else 1, ROWS, 4, 4], ring)
             # x (an L2 hit: the gathered activations or the intermediate just written) one trip ahead;
@@ -267,13 +292,11 @@ if HAVE_GLUON:
             for st in gl.static_range(STAGES - 1):     # trips 0 .. STAGES - 2 (a trip past the end rereads
                 c = gl.minimum(st, last)               # the last one: harmless, never used)
                 async_copy.async_copy_global_to_shared(wg_s.index(st), wg_ptr + c * 16)
+                async_copy.async_copy_global_to_shared(sg_s.index(st), sgc_ptr + c * 4)
                 if GATED:
                     async_copy.async_copy_global_to_shared(wu_s.index(st), wu_ptr + c * 16)
+                    async_copy.async_copy_global_to_shared(su_s.index(st), suc_ptr + c * 4)
                 async_copy.commit_group()
-            sg = gl.load(sg_ptr)
-            su = sg
-            if GATED:
-                su = gl.load(su_ptr)
             acc_g = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             acc_u = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             for i in range(0, trips):
@@ -283,24 +306,23 @@ if HAVE_GLUON:
                 ahead = (i + STAGES - 1) % STAGES      # the slot trip i - 1 read
                 c = gl.minimum(i + STAGES - 1, last)
                 async_copy.async_copy_global_to_shared(wg_s.index(ahead), wg_ptr + c * 16)
+                async_copy.async_copy_global_to_shared(sg_s.index(ahead), sgc_ptr + c * 4)
                 if GATED:
                     async_copy.async_copy_global_to_shared(wu_s.index(ahead), wu_ptr + c * 16)
+                    async_copy.async_copy_global_to_shared(su_s.index(ahead), suc_ptr + c * 4)
                 async_copy.commit_group()
                 if STAGES >= 3:
                     async_copy.wait_group(3)
                 else:
                     async_copy.wait_group(2)
-                if WARPS > 1:
-                    gl.thread_barrier()            # the other warps' parts of x(i) have landed too
+                gl.thread_barrier()                # other lanes' (warps') scale pairs and x(i) have landed too
                 slot = i % STAGES
                 b = _b_operand(x_s.index(i % X_SLOTS).load(xl), X_PRE, BLOCK_M, b_op)
+                sg = sg_s.index(slot).load(gl.SliceLayout(2, wl))
                 acc_g = mma_v2(_a_operand(wg_s.index(slot).load(wl), sg, ROWS, a_op), b, acc_g)
                 if GATED:
+                    su = su_s.index(slot).load(gl.SliceLayout(2, wl))
                     acc_u = mma_v2(_a_operand(wu_s.index(slot).load(wl), su, ROWS, a_op), b, acc_u)
-                nxt = gl.minimum(i + 1, last)          # next trip's scale pairs, one trip ahead in registers
-                sg = gl.load(sg_ptr + nxt * 4)
-                if GATED:
-                    su = gl.load(su_ptr + nxt * 4)
             async_copy.wait_group(0)
 
             rows_c: gl.constexpr = gl.SliceLayout(1, mma)

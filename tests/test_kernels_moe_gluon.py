@@ -157,8 +157,9 @@ def test_gluon_config_off_gpu_runs_the_triton_kernel():
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
     ids = _routing_ids(t, e, k, gen)
     tw = torch.softmax(torch.randn(t, k, generator=gen), -1)
-    y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gluon_moe_config(16, True))
-    assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
+    for bm in (8, 16):
+        y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gluon_moe_config(bm, True))
+        assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, (seed, bm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,13 +186,14 @@ def test_gate_up_matches_triton_and_leaves_pad_rows(block_m, x_pre):
     ref = moe_gate_up(x, w13, routing, tri)
     pad = routing.sorted_ids >= routing.n_assign
     assert pad.any()
-    for rows, warps in ((16, 1), (32, 1), (64, 1), (64, 2), (128, 4)):
-        cfg = gluon_moe_config(block_m, True, x_pre, rows=rows, warps=warps)
+    # (rows, warps, ring stages): 16, 32 and 64 rows per warp (bench_kernels --configs gluon's gate/up variants)
+    for rows, warps, st in ((32, 1, 3), (64, 1, 3), (32, 2, 3), (64, 2, 3), (64, 4, 3), (128, 4, 3)):
+        cfg = gluon_moe_config(block_m, True, x_pre, rows=rows, warps=warps, stages=st)
         xin = to_fp16_operand(x) if x_pre else x
         h = torch.full_like(ref, float("nan"))
         mg._launch(xin, w13, h, routing, None, True, cfg)
-        assert torch.isnan(h[pad]).all(), (seed, rows, warps, "pad rows written")
-        assert _rel(h[~pad], ref[~pad]) < 1e-2, (seed, rows, warps, _rel(h[~pad], ref[~pad]))
+        assert torch.isnan(h[pad]).all(), (seed, rows, warps, st, "pad rows written")
+        assert _rel(h[~pad], ref[~pad]) < 1e-2, (seed, rows, warps, st, _rel(h[~pad], ref[~pad]))
 
 
 @gpu_only
@@ -207,10 +209,12 @@ def test_down_matches_triton(block_m, h_dtype):
     hs[routing.sorted_ids >= routing.n_assign] = float("nan")        # pad rows: garbage the kernel must not use
     twf = tw.reshape(-1).float().contiguous()
     ref = moe_down(hs, w2, routing, tw, MoEConfig(block_m, 128, 128, 4, 3))
-    for rows, warps in ((16, 1), (32, 1), (64, 1), (128, 2), (256, 4)):
+    # 16, 32 and 64 rows per warp, the scale pairs through rings of 3 and 2 slots
+    for rows, warps, st in ((64, 1, 3), (32, 2, 3), (64, 4, 3), (128, 2, 3), (256, 4, 3), (64, 4, 2)):
         y = torch.full_like(ref, float("nan"))
-        mg._launch(hs, w2, y, routing, twf, False, gluon_moe_config(block_m, False, rows=rows, warps=warps))
-        assert _rel(y, ref) < 1e-2, (seed, rows, warps, _rel(y, ref))
+        mg._launch(hs, w2, y, routing, twf, False,
+                   gluon_moe_config(block_m, False, rows=rows, warps=warps, stages=st))
+        assert _rel(y, ref) < 1e-2, (seed, rows, warps, st, _rel(y, ref))
 
 
 @gpu_only
@@ -223,6 +227,19 @@ def test_pipeline_matches_reference(block_m):
     for x_pre, warps in ((True, 1), (False, 1), (True, 2)):
         y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gluon_moe_config(block_m, True, x_pre, warps=warps))
         assert _rel(y, ref) < MOE_TOL, (seed, x_pre, warps)
+
+
+@gpu_only
+def test_block_m_8_variants_match_reference():
+    """bench_kernels --configs gluon's block_m 8 pairs (T <= 64): 16 rows per warp at 4 warps, the 1-warp defaults."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2, x, ids, tw = _case(gen, t=70)
+    ref = moe_w4a16_reference(x, w13, w2, ids, tw)
+    for gu_rows, dn_rows, warps in ((64, 64, 4), (32, 64, 1)):
+        y = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gluon_moe_config(8, True, True, rows=gu_rows, warps=warps),
+                      down_config=gluon_moe_config(8, False, rows=dn_rows, warps=warps))
+        assert _rel(y, ref) < MOE_TOL, (seed, gu_rows, dn_rows, warps)
 
 
 @gpu_only

@@ -191,21 +191,22 @@ def moe_configs(moe, t, mode):
 
 
 def gluon_moe_variants(moe, n_assign):
-    """The Gluon kernel (kernels/moe_gluon.py) at block_m 16 and 32: its default rows per program (the
-    no-spill ones of tools/inspect_moe_sm90.py) with 2-4 ring slots, then other gate/up and down row counts
-    and the bf16 input converted in the kernel (x_pre toggled)."""
-    out = []
-    for bm in (16, 32):
-        x_pre = n_assign >= 64
-        gu, dn = moe.gluon_moe_config(bm, True, x_pre), moe.gluon_moe_config(bm, False)
-        out += [(gu, dn), (replace(gu, num_stages=2), replace(dn, num_stages=2)),
-                (replace(gu, num_stages=4), replace(dn, num_stages=4)), (replace(gu, x_pre=not x_pre), dn)]
-        out += [(moe.gluon_moe_config(bm, True, x_pre, rows=r), dn) for r in ((16, 64) if bm == 16 else (16,))]
-        out += [(gu, moe.gluon_moe_config(bm, False, rows=r)) for r in ((16, 32) if bm == 16 else (32,))]
-        # 2 and 4 warps per program, each with the default rows, sharing one x tile (half / a quarter of the
-        # L2 reads of x per weight byte; ~12 warps per SM either way)
-        out += [(moe.gluon_moe_config(bm, True, x_pre, warps=w), moe.gluon_moe_config(bm, False, warps=w))
-                for w in (2, 4)]
+    """The Gluon kernel (kernels/moe_gluon.py) at block_m 16, scale pairs through the cp.async ring (gate/up rows,
+    down rows, warps): 16 rows per warp (~110 / ~75 registers: 16-28 warps per SM) at 2 and 4 warps; 32 / 64
+    rows per warp at 2 and 4 warps (the best of the 2026-12-06 run before the scale ring: 260 / 247 us at
+    T=256); one warp with the default rows and with 64 gate rows (fewest programs, 6 warps per SM); at T <= 64
+    two of them at block_m 8 too. Short on purpose: one device call compares them with the Triton heuristic (docs/PERF.md, compile reports)."""
+    x_pre = n_assign >= 64
+
+    def pair(gu_rows, dn_rows, warps, stages=3, bm=16):
+        return (moe.gluon_moe_config(bm, True, x_pre, rows=gu_rows, warps=warps, stages=stages),
+                moe.gluon_moe_config(bm, False, rows=dn_rows, warps=warps, stages=stages))
+    out = [pair(32, 32, 2), pair(64, 64, 4), pair(64, 128, 2), pair(128, 256, 4), pair(32, 64, 1),
+           pair(64, 64, 1)]
+    if n_assign <= 4 * MOE["experts"]:
+        # <= 4 rows per expert on average (T <= 64): blocks of 8 rows, half the MMA columns and x bytes of 16,
+        # few experts past 8 rows (their weights read twice)
+        out += [pair(64, 64, 4, bm=8), pair(32, 64, 1, bm=8)]
     return out
 
 
