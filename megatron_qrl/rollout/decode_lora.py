@@ -63,8 +63,9 @@ def stack_as_views(params: list) -> torch.Tensor:
 
 
 # Below this many (token, slot) assignments per expert the deltas run as grouped GEMMs in expert order (reading
-# only the touched experts' adapters); from it on, as two dense GEMMs against every expert's A and B (128 tiny
-# grouped GEMMs cost 44 us each at 2,048 assignments on an H100, the dense ones a fraction: docs/PERF.md).
+# only the touched experts' adapters); from it on, as two dense GEMMs against every expert's A and B (H100, 4
+# layers, rank 16: 128 tiny grouped GEMMs cost ~44 us each at 2,048 assignments; dense 97.8k vs grouped 81.8k
+# tok/s at batch 256, grouped faster at batch 1: docs/PERF.md "Session of 2026-12-06 (third)").
 GROUPED_BELOW = 1.0
 
 
