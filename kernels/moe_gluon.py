@@ -205,6 +205,16 @@ if HAVE_GLUON:
         return gl.SharedLinearLayout(bases)
 
     @gluon.jit
+    def _fill_slot(wg_s, sg_s, wu_s, su_s, slot, trip, wg_ptr, sgc_ptr, wu_ptr, suc_ptr, GATED: gl.constexpr):
+        """Ring slot `slot` <- trip `trip`'s code words and scale pairs (gate, and up when GATED): one commit group."""
+        async_copy.async_copy_global_to_shared(wg_s.index(slot), wg_ptr + trip * 16)
+        async_copy.async_copy_global_to_shared(sg_s.index(slot), sgc_ptr + trip * 4)
+        if GATED:
+            async_copy.async_copy_global_to_shared(wu_s.index(slot), wu_ptr + trip * 16)
+            async_copy.async_copy_global_to_shared(su_s.index(slot), suc_ptr + trip * 4)
+        async_copy.commit_group()
+
+    @gluon.jit
     def _a_operand(words, pairs, ROWS: gl.constexpr, a_op: gl.constexpr):
         """[ROWS, 4, 4] code words + [ROWS, 4] scale pairs -> fp16 A [ROWS, 128] in the logical K order."""
         a = gl.permute(gl.reshape(_decode(words, pairs), [ROWS, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
@@ -290,27 +300,16 @@ if HAVE_GLUON:
             async_copy.async_copy_global_to_shared(x_s.index(0), xr_ptr)
             async_copy.commit_group()
             for st in gl.static_range(STAGES - 1):     # trips 0 .. STAGES - 2 (a trip past the end rereads
-                c = gl.minimum(st, last)               # the last one: harmless, never used)
-                async_copy.async_copy_global_to_shared(wg_s.index(st), wg_ptr + c * 16)
-                async_copy.async_copy_global_to_shared(sg_s.index(st), sgc_ptr + c * 4)
-                if GATED:
-                    async_copy.async_copy_global_to_shared(wu_s.index(st), wu_ptr + c * 16)
-                    async_copy.async_copy_global_to_shared(su_s.index(st), suc_ptr + c * 4)
-                async_copy.commit_group()
+                _fill_slot(wg_s, sg_s, wu_s, su_s, st, gl.minimum(st, last),     # the last one: never used)
+                           wg_ptr, sgc_ptr, wu_ptr, suc_ptr, GATED)
             acc_g = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             acc_u = gl.zeros([ROWS, BLOCK_M], gl.float32, mma)
             for i in range(0, trips):
                 async_copy.async_copy_global_to_shared(x_s.index((i + 1) % X_SLOTS),
                                                        xr_ptr + gl.minimum(i + 1, last) * 128)
                 async_copy.commit_group()
-                ahead = (i + STAGES - 1) % STAGES      # the slot trip i - 1 read
-                c = gl.minimum(i + STAGES - 1, last)
-                async_copy.async_copy_global_to_shared(wg_s.index(ahead), wg_ptr + c * 16)
-                async_copy.async_copy_global_to_shared(sg_s.index(ahead), sgc_ptr + c * 4)
-                if GATED:
-                    async_copy.async_copy_global_to_shared(wu_s.index(ahead), wu_ptr + c * 16)
-                    async_copy.async_copy_global_to_shared(su_s.index(ahead), suc_ptr + c * 4)
-                async_copy.commit_group()
+                _fill_slot(wg_s, sg_s, wu_s, su_s, (i + STAGES - 1) % STAGES,    # the slot trip i - 1 read
+                           gl.minimum(i + STAGES - 1, last), wg_ptr, sgc_ptr, wu_ptr, suc_ptr, GATED)
                 if STAGES >= 3:
                     async_copy.wait_group(3)
                 else:

@@ -70,8 +70,10 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
                                        **({"maxnreg": MAXNREG} if MAXNREG else {})))
 
 
-def hottest_loop(sass: str) -> list[str]:
-    """The instructions of the largest loop: the widest span from a backward branch's target to the branch."""
+def hottest_loop(sass: str, without_exit: bool = False) -> list[str]:
+    """The instructions of the largest loop: the widest span from a backward branch's target to the branch.
+    without_exit: only spans that hold no EXIT (a Triton kernel's mbarrier retry loops sit after its exit and
+    branch back into the middle of the kernel; their span would count the epilogue)."""
     addrs, body = [], []
     for ln in sass.splitlines():
         ins = re.match(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln)
@@ -85,7 +87,8 @@ def hottest_loop(sass: str) -> list[str]:
             target = int(br.group(1), 16)
             if target <= addrs[i] and target in addrs:
                 j = addrs.index(target)
-                if i - j > best[1] - best[0]:
+                if i - j > best[1] - best[0] and not (without_exit and any(re.search(r"\bEXIT\b", b)
+                                                                         for b in body[j:i])):
                     best = (j, i)
     return body[best[0]:best[1] + 1]
 

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_gluon_sm90 import cuobjdump, regs_of  # noqa: E402
-from inspect_attention_sm90 import mix, ttgir_traffic  # noqa: E402
+from inspect_attention_sm90 import hottest_loop, mix, ttgir_traffic  # noqa: E402
 
 E, H, F, TOP_K = 128, 2048, 768, 8
 
@@ -91,23 +91,8 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool):
 
 
 def k_loop(sass: str) -> list:
-    """The instructions of the K loop: the widest span from a backward branch's target to the branch that holds
-    no EXIT (the Triton kernel's mbarrier retry loops sit after its exit and branch back into the middle of
-    the kernel; their span would count the epilogue)."""
-    addrs, body = [], []
-    for ln in sass.splitlines():
-        ins = re.match(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", ln)
-        if ins:
-            addrs.append(int(ins.group(1), 16))
-            body.append(ins.group(2))
-    best = (0, -1)
-    for i, ins in enumerate(body):
-        br = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", ins)
-        if br and int(br.group(1), 16) <= addrs[i] and int(br.group(1), 16) in addrs:
-            j = addrs.index(int(br.group(1), 16))
-            if i - j > best[1] - best[0] and not any(re.search(r"\bEXIT\b", b) for b in body[j:i]):
-                best = (j, i)
-    return body[best[0]:best[1] + 1]
+    """The instructions of the K loop (the Triton kernel's mbarrier retry loops excluded: see hottest_loop)."""
+    return hottest_loop(sass, without_exit=True)
 
 
 def report(name: str, kernel, code_vectors_per_trip: int, warps: int, dump: str) -> dict:
