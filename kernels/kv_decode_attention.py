@@ -283,7 +283,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     default): block_s (positions per loop trip), num_splits (or programs_per_sm / min_blocks for the split
     count); the Triton kernel's num_warps / num_stages / decode (how NVFP4 codes become float16: DECODERS); the
     Gluon kernel's prefetch (0: none; 1: the next trip's bytes load into registers during this one; 2, the
-    default up to 32-position trips: code words through a 3-slot cp.async ring).
+    default up to 32-position trips: code words through a 3-slot cp.async ring; 3: code words and scales
+    through the ring, trips of >= 32 positions).
     tools/bench_attention.py sweeps them."""
     bsz, hq, d = q.shape
     if keys.fmt != values.fmt or keys.codes.shape != values.codes.shape:

@@ -168,6 +168,22 @@ if HAVE_GLUON:
                 gl.load(vs16 + gl.expand_dims(rv * 4, 1) + gl.expand_dims(v_hg // 2, 0)),
                 gl.load(kr_ptr + rc), gl.load(vr_ptr + rc))
 
+    @gluon.jit
+    def _copy_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s, vs_s, kr_s, vr_s, TILE: gl.constexpr):
+        """PREFETCH 3: one trip's scale pairs and row scales into ring slots by cp.async, a row per lane (8 bytes of
+        K pairs, 8 of V pairs, 4 + 4 of row scales; rows clamped like _word_ptrs). Other lanes read them back: the
+        ring's wait is followed by a barrier (one warp: cheap)."""
+        pair_cp: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
+        row_cp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        rows = gl.arange(0, TILE, gl.SliceLayout(1, pair_cp))
+        r = stream + gl.minimum(s0 + rows, s_end - 1)
+        off = gl.expand_dims(r * 4, 1) + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, pair_cp)), 0)
+        async_copy.async_copy_global_to_shared(ks_s, ks16 + off)
+        async_copy.async_copy_global_to_shared(vs_s, vs16 + off)
+        rr = stream + gl.minimum(s0 + gl.arange(0, TILE, row_cp), s_end - 1)
+        async_copy.async_copy_global_to_shared(kr_s, kr_ptr + rr)
+        async_copy.async_copy_global_to_shared(vr_s, vr_ptr + rr)
+
     @gluon.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
                              ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
@@ -227,17 +243,31 @@ if HAVE_GLUON:
         # PREFETCH 1: the next trip's bytes load into registers at the end of this one (ptxas keeps them late).
         # PREFETCH 2: the code words go through a ring of STAGES shared-memory slots by cp.async, issued
         # STAGES - 1 trips ahead (each lane reads back the bytes it copied: no barrier); scales as in 1.
-        if PREFETCH == 2:
+        # PREFETCH 3: as 2, and the scales through the ring too (ptxas sinks 1's scale loads to the end of the
+        # trip, so the next trip's first decode waits for DRAM: tools/inspect_attention_sm90.py shows where).
+        RING_SCALES: gl.constexpr = PREFETCH == 3
+        REG_SCALES: gl.constexpr = PREFETCH == 1 or PREFETCH == 2
+        if PREFETCH >= 2:
             ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
             kw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 4, 4], ring)
             vw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 8, 2], ring)
+            if RING_SCALES:
+                pairs_ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])   # (a slot's rank)
+                rows_ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+                ks_s = gl.allocate_shared_memory(gl.int16, [STAGES, TILE, 4], pairs_ring)
+                vs_s = gl.allocate_shared_memory(gl.int16, [STAGES, TILE, 4], pairs_ring)
+                kr_s = gl.allocate_shared_memory(gl.float32, [STAGES, TILE], rows_ring)
+                vr_s = gl.allocate_shared_memory(gl.float32, [STAGES, TILE], rows_ring)
             for st in gl.static_range(STAGES - 1):
                 kwp, vwp = _word_ptrs(s_begin + st * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows,
                                       v_hgw)
                 async_copy.async_copy_global_to_shared(kw_s.index(st), kwp)
                 async_copy.async_copy_global_to_shared(vw_s.index(st), vwp)
+                if RING_SCALES:
+                    _copy_scales(s_begin + st * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s.index(st),
+                                 vs_s.index(st), kr_s.index(st), vr_s.index(st), TILE)
                 async_copy.commit_group()
-        if PREFETCH > 0:     # this trip's bytes were loaded during the previous one
+        if REG_SCALES:     # this trip's bytes were loaded during the previous one
             ks, vs, kr, vr = _load_scales(s_begin, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
                                           v_hg, c_rows)
         if PREFETCH == 1:
@@ -251,17 +281,30 @@ if HAVE_GLUON:
                 vw = gl.load(vwp)
                 ks, vs, kr, vr = _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
                                               v_hg, c_rows)
-            if PREFETCH == 2:
+            if PREFETCH >= 2:
                 i = (s0 - s_begin) // TILE
                 ahead = (i + STAGES - 1) % STAGES
                 kwp, vwp = _word_ptrs(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw,
                                       v_rows, v_hgw)
                 async_copy.async_copy_global_to_shared(kw_s.index(ahead), kwp)
                 async_copy.async_copy_global_to_shared(vw_s.index(ahead), vwp)
+                if RING_SCALES:
+                    _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr,
+                                 ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE)
                 async_copy.commit_group()
                 async_copy.wait_group(STAGES - 1)
+                if RING_SCALES:
+                    gl.thread_barrier()     # the scale rows of this slot were copied by other lanes
                 kw = kw_s.index(i % STAGES).load(kl)
                 vw = vw_s.index(i % STAGES).load(vl)
+                if RING_SCALES:
+                    # V's scale pair of half group hg is pair hg // 2: the words as [TILE, pair, 4], whose
+                    # slice drops the lane bit of hg % 2 (lanes that share a pair read the same bytes)
+                    vw = gl.reshape(vw, [TILE, 4, 4])
+                    ks = ks_s.index(i % STAGES).load(gl.SliceLayout(2, kl))
+                    vs = vs_s.index(i % STAGES).load(gl.SliceLayout(2, vw.type.layout))
+                    kr = kr_s.index(i % STAGES).load(rows_c)
+                    vr = vr_s.index(i % STAGES).load(rows_c)
             valid = s0 + c_rows < s_end
             vr = gl.where(valid, vr, 0.0)
             k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
@@ -278,12 +321,15 @@ if HAVE_GLUON:
             p = p * gl.expand_dims(vr * (1.0 / v_top), 1)
             p_b = gl.convert_layout(p.to(gl.float16), b_op)
 
-            v = gl.permute(_decode(vw, vs), [5, 2, 4, 3, 1, 0])                  # [h, w, j1, j0, hg, T]
+            v = _decode(vw, vs)
+            if RING_SCALES:
+                v = gl.reshape(v, [TILE, 8, 2, 2, 2, 2])
+            v = gl.permute(v, [5, 2, 4, 3, 1, 0])                                # [h, w, j1, j0, hg, T]
             v = gl.convert_layout(gl.reshape(v, [D, TILE]), a_op)
             o = mma_v2(v, p_b, gl.zeros([D, N], gl.float32, mma))
             acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * 512.0)
             m_i = m_new
-            if PREFETCH > 0:
+            if REG_SCALES:
                 ks, vs, kr, vr = _load_scales(s0 + TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
                                               v_rows, v_hg, c_rows)
             if PREFETCH == 1:
@@ -318,6 +364,9 @@ def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, sl
                            lens: torch.Tensor, sm_scale: float, out: torch.Tensor, num_splits: int,
                            tile: int = TILE, prefetch: int = 1) -> torch.Tensor:
     """packed_decode_attention's contract (it validates and picks the split count) on this kernel."""
+    if prefetch not in (0, 1, 2, 3) or (prefetch == 3 and tile < 32):
+        raise ValueError(f"prefetch must be 0, 1, 2 or 3 (3 needs trips of >= 32 positions: a scale row per lane), "
+                         f"got prefetch={prefetch} with {tile}-position trips")
     bsz, hq, d = q.shape
     qc = q.contiguous()
     acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)

@@ -121,7 +121,10 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
         if fmt == "fp4" and dtype == torch.bfloat16:     # the Gluon kernel (also the default {} here)
             configs += [dict(kernel="gluon"), dict(kernel="gluon", num_splits=1), dict(kernel="gluon", num_splits=64),
                         dict(kernel="gluon", prefetch=0), dict(kernel="gluon", prefetch=2),
-                        dict(kernel="gluon", prefetch=2, num_splits=1), dict(kernel="gluon", block_s=64)]
+                        dict(kernel="gluon", prefetch=2, num_splits=1), dict(kernel="gluon", block_s=64),
+                        dict(kernel="gluon", prefetch=3), dict(kernel="gluon", prefetch=3, num_splits=1),
+                        dict(kernel="gluon", prefetch=3, num_splits=64),
+                        dict(kernel="gluon", prefetch=3, block_s=64, num_splits=4)]
     for cfg in configs:
         out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
         assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out

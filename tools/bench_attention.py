@@ -47,11 +47,11 @@ def sweep(fmt: str, mode: str) -> list[dict]:
                for p in (2, 3, 4)]
         if fmt != "nvfp4":
             return default + tri
-        gl = [dict(kernel="gluon", prefetch=p) for p in (0, 2)] + [
-            dict(kernel="gluon", prefetch=2, programs_per_sm=p) for p in (4, 16)] + [
-            dict(kernel="gluon", prefetch=2, min_blocks=m) for m in (4, 16)] + [
-            dict(kernel="gluon", block_s=16, prefetch=2), dict(kernel="gluon", programs_per_sm=16)]
-        return default + gl + [dict(kernel="triton", **t) for t in tri[1:3]]
+        gl = [dict(kernel="gluon", prefetch=p) for p in (2, 3)] + [
+            dict(kernel="gluon", prefetch=3, programs_per_sm=p) for p in (8, 16)] + [
+            dict(kernel="gluon", prefetch=3, min_blocks=m) for m in (1, 2, 4, 8, 16)] + [
+            dict(kernel="gluon", prefetch=2, min_blocks=m) for m in (4, 16)]
+        return default + gl + [dict(kernel="triton", **t) for t in tri[1:2]]
     if mode != "all":
         return default
     tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
@@ -127,7 +127,16 @@ def bench_case(args, bsz, s, hq, hkv, l2_bytes, gen, log) -> dict:
         nbytes = kv_bytes(case, bench)
         n = copies_for(nbytes, l2_bytes)
         res = dict(config=config_name(cfg), err=err, us=None)
-        if err < 2e-2:
+        if err < 2e-2 and args.profile:     # one call of the first copy for ncu (--profile-from-start off)
+            call = make_call(0)
+            call()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            call()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            log(f"profiled {row['heads']} B={bsz} S={s} {bench} {res['config']}")
+        elif err < 2e-2:
             calls = [make_call(i) for i in range(n)]
             res["us"] = bk.safe(log, f"time {bench} {res['config']}", lambda: bk.graph_time_us(calls, args.rep_ms))
             if res["us"]:
@@ -156,7 +165,7 @@ def bench_case(args, bsz, s, hq, hkv, l2_bytes, gen, log) -> dict:
         kvs = [(case[f"k_{bench}"], case[f"v_{bench}"])] + [(case[f"k_{bench}"].clone(), case[f"v_{bench}"].clone())
                                                            for _ in range(n - 1)]
         mode = args.configs if time.time() < args.deadline else "default"      # past --time-budget: defaults
-        for cfg in sweep(bench, mode):
+        for cfg in (args.configs_json if args.configs_json is not None and bench == "nvfp4" else sweep(bench, mode)):
             def call(kv, cfg=cfg):
                 return packed_decode_attention(q, kv[0], kv[1], slots, lens, scale, **cfg)
             e = bk.safe(log, f"{bench} {config_name(cfg)}", lambda: bk.rel_err(call(kvs[0]), ref), float("inf"))
@@ -222,6 +231,18 @@ def get_best(row, bench):
     return b if b and b.get("speedup") else None
 
 
+def parse_configs(text: str) -> list[dict]:
+    """'default:prefetch=3,min_blocks=2' -> [{}, {'prefetch': 3, 'min_blocks': 2}] (integers where they parse)."""
+    out = []
+    for item in text.split(":"):
+        cfg = {}
+        for kv in ([] if item in ("", "default") else item.split(",")):
+            key, _, val = kv.partition("=")
+            cfg[key] = int(val) if val.lstrip("-").isdigit() else val
+        out.append(cfg)
+    return out
+
+
 def parse_pairs(text: str, sep: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in item.split(sep)) for item in text.split(",") if item]
 
@@ -236,7 +257,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; past it, the remaining cases time only "
                     "the default config (0: no limit)")
+    ap.add_argument("--nvfp4-configs", type=parse_configs, default=None, dest="configs_json",
+                    help="NVFP4 tunable sets instead of --configs' sweep, ':'-separated, e.g. "
+                    "default:prefetch=3:prefetch=3,min_blocks=2 (no shell quoting needed)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="no timing: one call of each config between "
+                    "cudaProfilerStart/Stop, for `ncu --profile-from-start off` (tools/gpu_kv_attention.sh NCU=1)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU interpreter (tests this script)")
     ap.add_argument("--smoke-head-dim", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -245,6 +271,8 @@ def main(argv=None) -> int:
         bk.DEV = "cpu"
         args.shapes, args.heads = [(2, 40)], [(8, 2)]
         args.configs = "default" if args.configs == "default" else "all"
+    elif args.profile and not torch.cuda.is_available():
+        sys.exit("--profile needs a CUDA GPU (it is for ncu)")
     elif not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (or --cpu-smoke)")
     args.out.mkdir(parents=True, exist_ok=True)

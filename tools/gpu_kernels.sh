@@ -3,7 +3,7 @@
 # and optionally (NCU=1) an Nsight Compute profile of a few kernels.
 # Usage (repository root): OUT=results/ bash tools/gpu_kernels.sh [extra bench_kernels.py args]
 # (SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; STRESS=1 [STRESS_ARGS=...] adds tools/stress_gluon.py; TEST_K=expr passes -k expr to the GPU tests; NCU_KERNELS=regex
-# and NCU_EXTRA="--section ..." narrow or widen the profile; NCU_SOURCE=1 adds per-instruction stall samples; NCU_ONLY=prefixes profiles those configs at M = 128 on both dense shapes)
+# and NCU_EXTRA="--section ..." narrow or widen the profile; NCU_BENCH_ARGS="..." go to the benchmark's --profile run; NCU_SOURCE=1 adds per-instruction stall samples; NCU_ONLY=prefixes profiles those configs at M = 128 on both dense shapes)
 # The package is made importable without installing its dependencies (the kernels need torch + triton
 # only): megatron_qrl/ and kernels/ (as megatron_qrl/kernels) are copied into a scratch dir on PYTHONPATH,
 # and the tests run from there (so the checkout's own megatron_qrl/ cannot shadow the copy).
@@ -49,17 +49,21 @@ fi
 if [ "${NCU:-0}" = "1" ]; then
   NCU_BIN="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
   if [ -n "$NCU_BIN" ]; then
+    NCU_RUN=(python3 "$BENCH" --out "$OUT/prof" --profile)    # + NCU_ONLY (bench_kernels) or NCU_BENCH_ARGS (any)
+    [ -n "${NCU_ONLY:-}" ] && NCU_RUN+=(--only "$NCU_ONLY")
+    # shellcheck disable=SC2206
+    [ -n "${NCU_BENCH_ARGS:-}" ] && NCU_RUN+=($NCU_BENCH_ARGS)
     timeout "${NCU_TIMEOUT:-120}" "$NCU_BIN" --clock-control none --profile-from-start off --target-processes all \
       -k regex:"${NCU_KERNELS:-w4a16|moe_gemm|moe_gluon|gemv|gemm|nvjet|xmma|cutlass}" \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
-      python3 tools/bench_kernels.py --out "$OUT/prof" --profile ${NCU_ONLY:+--only "$NCU_ONLY"} > "$OUT/ncu.txt" 2>&1
+      "${NCU_RUN[@]}" > "$OUT/ncu.txt" 2>&1
     echo "ncu exit code: $?"
     if [ "${NCU_SOURCE:-0}" = "1" ]; then   # per-SASS-instruction stall samples of the NCU_ONLY configs (CSV)
       timeout "${NCU_TIMEOUT:-120}" "$NCU_BIN" --clock-control none --profile-from-start off --target-processes all \
         -k regex:"${NCU_SOURCE_KERNELS:-gluon_ss}" --section SourceCounters --section WarpStateStats \
         --page source --print-source sass --csv \
-        python3 tools/bench_kernels.py --out "$OUT/prof" --profile ${NCU_ONLY:+--only "$NCU_ONLY"} > "$OUT/ncu_source.csv" 2>&1
+        "${NCU_RUN[@]}" > "$OUT/ncu_source.csv" 2>&1
       echo "ncu source exit code: $? ($(wc -l < "$OUT/ncu_source.csv") lines)"
     fi
     grep -E "^  [_a-zA-Z].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Issue Slots|Warp Cycles Per Issued|profiled case" "$OUT/ncu.txt" | head -150
