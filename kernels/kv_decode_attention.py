@@ -272,7 +272,7 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
                             num_warps: int = 4, num_stages: int = 2, num_splits: Optional[int] = None,
                             decode: Optional[str] = None, kernel: str = "auto", prefetch: Optional[int] = None,
                             programs_per_sm: Optional[int] = None, min_blocks: Optional[int] = None,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            fused_merge: Optional[bool] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V for each row over the first lens[b] positions of cache slot slots[b].
 
     q [B, H_q, D] (bf16 / fp16 / fp32); keys / values: one layer of a packed KVCache (PackedKV, fp4 or fp8);
@@ -282,9 +282,10 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     per KV head, 16-bit q, CUDA) or "auto" (gluon where it applies). Tunables (None: the chosen kernel's
     default): block_s (positions per loop trip), num_splits (or programs_per_sm / min_blocks for the split
     count); the Triton kernel's num_warps / num_stages / decode (how NVFP4 codes become float16: DECODERS); the
-    Gluon kernel's prefetch (0: none; 1: the next trip's bytes load into registers during this one; 2, the
-    default up to 32-position trips: code words through a 3-slot cp.async ring; 3: code words and scales
-    through the ring, trips of >= 32 positions).
+    Gluon kernel's prefetch (0: none; 1: the next trip's bytes load into registers during this one; 2: code
+    words through a 3-slot cp.async ring; 3, the default at 32-position trips: code words and scales through
+    the ring) and fused_merge (the last split's program merges the splits instead of a combine launch; default
+    up to kv_decode_gluon.MERGE_MAX_SPLITS splits).
     tools/bench_attention.py sweeps them."""
     bsz, hq, d = q.shape
     if keys.fmt != values.fmt or keys.codes.shape != values.codes.shape:
@@ -315,8 +316,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
                                                                                      _sm_count(q.device), tile))
         return kv_decode_gluon.gluon_decode_attention(q, keys, values, slots, lens, sm_scale, out,
                                                       triton.next_power_of_2(num_splits), tile,
-                                                      (kv_decode_gluon.PREFETCH if tile <= 32 else 0)
-                                                      if prefetch is None else prefetch)
+                                                      kv_decode_gluon.default_prefetch(tile)
+                                                      if prefetch is None else prefetch, fused_merge)
     block_s = block_s or BLOCK_S
     if num_splits is None:
         num_splits = split_count(bsz, hkv, max_len, block_s, _sm_count(q.device), programs_per_sm or PROGRAMS_PER_SM,

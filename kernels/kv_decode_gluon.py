@@ -21,9 +21,11 @@ TB/s (docs/PERF.md). Here each lane loads exactly the bytes its MMA fragments ho
   (`o_order`), undone at the store. P^T comes from the score accumulator with one layout conversion.
 * Softmax over positions is a reduction across the lanes of one warp (shuffles). The GQA group is the MMA's N,
   not its M: no softmax work on padding rows at 8 query heads per KV head.
-* The bytes arrive ahead of their trip (PREFETCH): by default the code words through a ring of shared-memory
-  slots filled by cp.async two trips ahead (each lane reads back what it copied), the scales one trip ahead in
-  registers.
+* The bytes arrive ahead of their trip (PREFETCH): by default the code words, scale pairs and row scales
+  through a ring of shared-memory slots filled by cp.async two trips ahead (the scales a row per lane, read back
+  by other lanes after the ring's wait and a barrier).
+* Up to MERGE_MAX_SPLITS splits, the program that finishes last merges the splits' partials (a counter per
+  row and KV head, acq_rel): no combine launch.
 Numerics are the Triton kernel's (code * s * 2^-9 in fp16, exact; q scaled per head by a power of two into
 fp16; fp32 accumulation; p * (vr / max vr) in fp16), so the two agree to fp32 rounding order.
 
@@ -44,9 +46,9 @@ TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 ste
 RING_STAGES = 3      # prefetch=2: shared-memory slots of the cp.async ring of code words
 HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
-# defaults: tools/bench_attention.py's sweeps on an H100, 2026-12-06 (docs/PERF.md): the cp.async ring of code
-# words (prefetch 2) with long splits; `default_min_tiles` picks the trips per split
-PREFETCH = 2
+# defaults: tools/bench_attention.py's sweeps on an H100, 2026-12-06 (docs/PERF.md): code words and scales
+# through the cp.async ring (prefetch 3; 2 below 32-position trips) with long splits; `default_min_tiles` picks
+# the trips per split
 PROGRAMS_PER_SM = 4   # one-warp programs: split target for kv_decode_attention.split_count
 MIN_TILES = 16        # ... but a split keeps at least this many TILE steps
 SMALL_GRID_MIN_TILES = 4  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
@@ -70,6 +72,12 @@ def default_min_tiles(batch: int, kv_heads: int, max_len: int, sms: int, tile: i
     at 64 splits against 27.1 at 16)."""
     splits_at_min = triton.next_power_of_2(triton.cdiv(max_len, tile * MIN_TILES))
     return MIN_TILES if batch * kv_heads * splits_at_min >= 2 * sms else SMALL_GRID_MIN_TILES
+
+
+def default_prefetch(tile: int) -> int:
+    """3 (codes and scales through the ring: 1.05-1.25x prefetch 2, docs/PERF.md) at 32-position trips, 2 below
+    (3 needs a scale row per lane), none above (the ring's shared memory grows with the trip; not measured)."""
+    return 3 if tile == 32 else 2 if tile < 32 else 0
 
 
 def supported(fmt: str, head_dim: int, group: int, q_dtype: torch.dtype) -> bool:
@@ -184,12 +192,54 @@ if HAVE_GLUON:
         async_copy.async_copy_global_to_shared(kr_s, kr_ptr + rr)
         async_copy.async_copy_global_to_shared(vr_s, vr_ptr + rr)
 
+    @gluon.jit
+    def _count_finished(cnt_ptr):
+        """How many programs of this (row, KV head) had counted before this one. Each lane fences its own partial
+        stores, the warp joins, then one acq_rel atomic counts the program: the program that counts last sees
+        every earlier program's partials."""
+        lanes = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
+        gl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        gl.thread_barrier()
+        return gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+
+    @gluon.jit
+    def _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, SPLITS: gl.constexpr):
+        """attention_combine._combine_kernel's merge for the GROUP query heads from q_row0: weights exp(m - max
+        m), divided by the weighted mass; partials read through L2 (.cg: other SMs wrote them)."""
+        D: gl.constexpr = 128
+        N: gl.constexpr = 8
+        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])   # [heads, D], 4 contiguous d a lane
+        hl: gl.constexpr = gl.SliceLayout(1, lay)
+        heads = gl.arange(0, N, hl)
+        d = gl.arange(0, D, gl.SliceLayout(0, lay))
+        h_ok = heads < GROUP
+        rows = (q_row0 + heads).to(gl.int64) * SPLITS
+        m_all = gl.full([N], -float("inf"), gl.float32, hl)
+        for s in gl.static_range(SPLITS):
+            m_all = gl.maximum(m_all, gl.load(ml_ptr + (rows + s) * 2, mask=h_ok, other=-float("inf"),
+                                              cache_modifier=".cg"))
+        denom = gl.zeros([N], gl.float32, hl)
+        out = gl.zeros([N, D], gl.float32, lay)
+        for s in gl.static_range(SPLITS):
+            m = gl.load(ml_ptr + (rows + s) * 2, mask=h_ok, other=-float("inf"), cache_modifier=".cg")
+            l = gl.load(ml_ptr + (rows + s) * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
+            w = gl.where(m > -float("inf"), gl.exp(m - m_all), 0.0)
+            denom += w * l
+            a = gl.load(acc_ptr + gl.expand_dims((rows + s) * D, 1) + gl.expand_dims(d, 0),
+                        mask=gl.expand_dims(h_ok, 1), other=0.0, cache_modifier=".cg")
+            out += a * gl.expand_dims(w, 1)
+        out = out / gl.expand_dims(denom, 1)
+        gl.store(o_ptr + gl.expand_dims((q_row0 + heads).to(gl.int64) * D, 1) + gl.expand_dims(d, 0),
+                 out.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(h_ok, 1))
+
     @gluon.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
-                             ml_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
-                             PREFETCH: gl.constexpr, STAGES: gl.constexpr):
+                             ml_ptr, o_ptr, cnt_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
+                             PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
-        kv_decode_attention._packed_decode_kernel; attention_combine merges the splits."""
+        kv_decode_attention._packed_decode_kernel; attention_combine merges the splits, or (MERGE_SPLITS =
+        NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits)."""
         D: gl.constexpr = 128
         N: gl.constexpr = 8
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -209,18 +259,6 @@ if HAVE_GLUON:
         s_begin = sp * per
         s_end = gl.minimum(s_begin + per, seq_len)
         q_row0 = b * HQ + hk * GROUP
-
-        # Q^T [128 (logical k), 8 heads] in the B fragment layout, gathered in q_order, scaled per head
-        kk = gl.arange(0, D, gl.SliceLayout(1, b_op))
-        d_q = (32 * ((kk >> 1) & 3) + 16 * (kk >> 6) + 8 * ((kk >> 5) & 1) + 4 * ((kk >> 4) & 1)
-               + 2 * ((kk >> 3) & 1) + (kk & 1))
-        nn = gl.arange(0, N, gl.SliceLayout(0, b_op))
-        q = gl.load(q_ptr + gl.expand_dims((q_row0 + nn).to(gl.int64) * D, 0) + gl.expand_dims(d_q, 1),
-                    mask=gl.expand_dims(nn < GROUP, 0), other=0.0).to(gl.float32)
-        f, inv_f = _q_pow2(gl.max(gl.abs(q), 0))
-        q_b = (q * gl.expand_dims(f, 0)).to(gl.float16)
-        # per head: sm_scale * log2(e) (exp2 softmax) * 2^9 (the code offset) / f
-        row_f = gl.convert_layout(inv_f, cols_c) * (qk_scale * 512.0)
 
         stream = (slot * HKV + hk) * L                       # first row of this (slot, KV head) stream
         kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32))       # 16 words per row
@@ -267,6 +305,19 @@ if HAVE_GLUON:
                     _copy_scales(s_begin + st * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s.index(st),
                                  vs_s.index(st), kr_s.index(st), vr_s.index(st), TILE)
                 async_copy.commit_group()
+        # Q^T [128 (logical k), 8 heads] in the B fragment layout, gathered in q_order, scaled per head (after the
+        # ring's first copies are issued: its latency overlaps theirs)
+        kk = gl.arange(0, D, gl.SliceLayout(1, b_op))
+        d_q = (32 * ((kk >> 1) & 3) + 16 * (kk >> 6) + 8 * ((kk >> 5) & 1) + 4 * ((kk >> 4) & 1)
+               + 2 * ((kk >> 3) & 1) + (kk & 1))
+        nn = gl.arange(0, N, gl.SliceLayout(0, b_op))
+        q = gl.load(q_ptr + gl.expand_dims((q_row0 + nn).to(gl.int64) * D, 0) + gl.expand_dims(d_q, 1),
+                    mask=gl.expand_dims(nn < GROUP, 0), other=0.0).to(gl.float32)
+        f, inv_f = _q_pow2(gl.max(gl.abs(q), 0))
+        q_b = (q * gl.expand_dims(f, 0)).to(gl.float16)
+        # per head: sm_scale * log2(e) (exp2 softmax) * 2^9 (the code offset) / f
+        row_f = gl.convert_layout(inv_f, cols_c) * (qk_scale * 512.0)
+
         if REG_SCALES:     # this trip's bytes were loaded during the previous one
             ks, vs, kr, vr = _load_scales(s_begin, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
                                           v_hg, c_rows)
@@ -347,32 +398,70 @@ if HAVE_GLUON:
                  mask=gl.expand_dims(h_mask, 0))
         gl.store(ml_ptr + out_row * 2, m_i * 0.6931471805599453, mask=h_mask)   # natural-log units
         gl.store(ml_ptr + out_row * 2 + 1, l_i, mask=h_mask)
+        if MERGE_SPLITS == 1:
+            _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, MERGE_SPLITS)
+        elif MERGE_SPLITS > 1:
+            if _count_finished(cnt_ptr + b * HKV + hk) == MERGE_SPLITS - 1:     # the last split of this row
+                gl.store(cnt_ptr + b * HKV + hk, 0)                               # ready for the next call
+                _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, MERGE_SPLITS)
+
+
+# Fused merge (the last split's program merges, no combine launch) up to this many splits: one warp reads them
+# all, 4 KB each; more splits (batch 1 at long context) keep attention_combine's parallel merge.
+MERGE_MAX_SPLITS = 16
+_COUNTERS: dict = {}          # device -> int32 split counters, zero between calls (the merging program resets)
+_OLD_COUNTERS: list = []      # outgrown buffers stay alive: a captured graph may still point at one
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The fused merge's counters for n (row, KV head) pairs; None inside a graph capture that would have to
+    allocate them (the caller then merges unfused; the engine's warm-up runs before capture). One decode stream
+    at a time uses them: two concurrent launches would count into the same slots."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _OLD_COUNTERS.append(buf)
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor, lens: torch.Tensor,
-                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, tile: int = TILE, prefetch: int = 1) -> dict:
-    """The kernel's arguments by name (the launch and tools/inspect_attention_sm90.py)."""
+                acc: torch.Tensor, ml: torch.Tensor, sm_scale: float, tile: int = TILE, prefetch: int = 1,
+                out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> dict:
+    """The kernel's arguments by name (the launch and tools/inspect_attention_sm90.py). With out (and counters
+    for more than one split) the kernel merges the splits itself."""
     bsz, hq, d = q.shape
     _, hkv, max_len, _ = keys.codes.shape
+    splits = acc.shape[2]
+    merge = out is not None and (splits == 1 or counters is not None)
     return dict(q_ptr=q, kc_ptr=keys.codes, ks_ptr=keys.scales, kr_ptr=keys.row_scale, vc_ptr=values.codes,
                 vs_ptr=values.scales, vr_ptr=values.row_scale, slots_ptr=slots, lens_ptr=lens, acc_ptr=acc,
-                ml_ptr=ml, HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=acc.shape[2],
-                qk_scale=sm_scale * LOG2E, TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES)
+                ml_ptr=ml, o_ptr=out if merge else q, cnt_ptr=counters if merge and splits > 1 else lens,
+                HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=splits, qk_scale=sm_scale * LOG2E,
+                TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
                            lens: torch.Tensor, sm_scale: float, out: torch.Tensor, num_splits: int,
-                           tile: int = TILE, prefetch: int = 1) -> torch.Tensor:
-    """packed_decode_attention's contract (it validates and picks the split count) on this kernel."""
+                           tile: int = TILE, prefetch: int = 1, fused_merge: bool | None = None) -> torch.Tensor:
+    """packed_decode_attention's contract (it validates and picks the split count) on this kernel. fused_merge
+    (default: up to MERGE_MAX_SPLITS splits) merges in the kernel instead of a combine launch."""
     if prefetch not in (0, 1, 2, 3) or (prefetch == 3 and tile < 32):
         raise ValueError(f"prefetch must be 0, 1, 2 or 3 (3 needs trips of >= 32 positions: a scale row per lane), "
                          f"got prefetch={prefetch} with {tile}-position trips")
     bsz, hq, d = q.shape
+    hkv = keys.codes.shape[1]
     qc = q.contiguous()
     acc = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
     ml = torch.empty((bsz, hq, num_splits, 2), device=q.device, dtype=torch.float32)
-    _gluon_decode_kernel[(bsz, keys.codes.shape[1], num_splits)](
-        **kernel_args(qc, keys, values, slots, lens, acc, ml, sm_scale, tile, prefetch), num_warps=1)
-    _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=False, num_warps=4)
+    fused = num_splits <= MERGE_MAX_SPLITS if fused_merge is None else fused_merge
+    counters = split_counters(q.device, bsz * hkv) if fused and num_splits > 1 else None
+    fused = fused and (num_splits == 1 or counters is not None)
+    _gluon_decode_kernel[(bsz, hkv, num_splits)](
+        **kernel_args(qc, keys, values, slots, lens, acc, ml, sm_scale, tile, prefetch, out if fused else None,
+                      counters), num_warps=1)
+    if not fused:
+        _combine_kernel[(bsz * hq,)](acc, ml, out, D=d, NUM_SPLITS=num_splits, RNE=False, num_warps=4)
     return out
-

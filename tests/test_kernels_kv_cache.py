@@ -124,7 +124,10 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
                         dict(kernel="gluon", prefetch=2, num_splits=1), dict(kernel="gluon", block_s=64),
                         dict(kernel="gluon", prefetch=3), dict(kernel="gluon", prefetch=3, num_splits=1),
                         dict(kernel="gluon", prefetch=3, num_splits=64),
-                        dict(kernel="gluon", prefetch=3, block_s=64, num_splits=4)]
+                        dict(kernel="gluon", prefetch=3, block_s=64, num_splits=4),
+                        dict(kernel="gluon", fused_merge=False), dict(kernel="gluon", num_splits=16),
+                        dict(kernel="gluon", num_splits=32), dict(kernel="gluon", num_splits=32, fused_merge=True),
+                        dict(kernel="gluon", num_splits=2, prefetch=2), dict(kernel="gluon", num_splits=1, prefetch=3)]
     for cfg in configs:
         out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
         assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out
@@ -178,23 +181,28 @@ def test_split_count_fills_the_gpu_and_stays_static():
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-def test_packed_attention_replays_in_a_cuda_graph(fmt):
-    """Captured once, replayed with other slots and lengths (device tensors): equal to eager calls."""
+@pytest.mark.parametrize("fmt,extra", [("fp4", {}), ("fp8", {}),
+                                       ("fp4", dict(kernel="gluon", num_splits=8, fused_merge=True))],
+                         ids=["fp4", "fp8", "fp4-merge-in-kernel"])
+def test_packed_attention_replays_in_a_cuda_graph(fmt, extra):
+    """Captured once, replayed with other slots and lengths (device tensors): equal to eager calls (the
+    in-kernel merge's counters are back at zero after every call, so replays merge too)."""
     g = _gen()
     k, v = _filled_caches(fmt, 4, g)
     q = torch.randn(3, 32, HEAD_DIM, generator=g).to(torch.bfloat16).to(DEVICE)
     slots = torch.tensor([0, 1, 2], device=DEVICE)
     lens = torch.tensor([5, 6, 7], device=DEVICE)
-    packed_decode_attention(q, k, v, slots, lens, 0.1)
+    packed_decode_attention(q, k, v, slots, lens, 0.1, **extra)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = packed_decode_attention(q, k, v, slots, lens, 0.1)
-    for new_slots, new_lens in (([3, 0, 4], [MAX_LEN, 1, 300]), ([2, 2, 1], [64, 65, 1000])):
+        out = packed_decode_attention(q, k, v, slots, lens, 0.1, **extra)
+    for new_slots, new_lens in (([3, 0, 4], [MAX_LEN, 1, 300]), ([2, 2, 1], [64, 65, 1000]),
+                                ([1, 3, 0], [2, MAX_LEN, 33])):
         slots.copy_(torch.tensor(new_slots))
         lens.copy_(torch.tensor(new_lens))
+        out.fill_(float("nan"))
         graph.replay()
-        assert torch.equal(out, packed_decode_attention(q, k, v, slots, lens, 0.1))
+        assert torch.equal(out, packed_decode_attention(q, k, v, slots, lens, 0.1, **extra))
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])

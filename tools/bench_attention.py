@@ -43,14 +43,16 @@ def sweep(fmt: str, mode: str) -> list[dict]:
     """Tunable sets of packed_decode_attention; the first is the default (no arguments)."""
     default = [{}]
     if mode == "focus":     # 2026-12-06: the Gluon NVFP4 kernel's tunables; the Triton kernel's best tiles
+        # (gluon configs merge in the kernel up to 16 splits unless fm0; mb / pps change the split count)
         tri = [dict(block_s=b, num_warps=w, programs_per_sm=p) for b, w in ((128, 4), (128, 8), (64, 4))
                for p in (2, 3, 4)]
         if fmt != "nvfp4":
             return default + tri
-        gl = [dict(kernel="gluon", prefetch=p) for p in (2, 3)] + [
-            dict(kernel="gluon", prefetch=3, programs_per_sm=p) for p in (8, 16)] + [
-            dict(kernel="gluon", prefetch=3, min_blocks=m) for m in (1, 2, 4, 8, 16)] + [
-            dict(kernel="gluon", prefetch=2, min_blocks=m) for m in (4, 16)]
+        gl = [dict(kernel="gluon", prefetch=2, fused_merge=False),      # the defaults before the second call
+              dict(kernel="gluon", prefetch=3, fused_merge=False)] + [
+            dict(kernel="gluon", min_blocks=m) for m in (2, 4, 8, 16)] + [
+            dict(kernel="gluon", min_blocks=m, fused_merge=True) for m in (4, 8)] + [
+            dict(kernel="gluon", programs_per_sm=8)]
         return default + gl + [dict(kernel="triton", **t) for t in tri[1:2]]
     if mode != "all":
         return default
@@ -69,7 +71,7 @@ def config_name(cfg: dict) -> str:
     if not cfg:
         return "default"
     short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
-             "decode": "", "kernel": "", "prefetch": "pf"}
+             "decode": "", "kernel": "", "prefetch": "pf", "fused_merge": "fm"}
     return "/".join(f"{short[k]}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 

@@ -49,7 +49,9 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     ml = torch.zeros((slots, hkv * group, splits, 2), dtype=torch.float32)
     if kernel == "gluon":
         fn = g._gluon_decode_kernel
-        kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, prefetch={"noprefetch": 0, "prefetch2": 2, "prefetch3": 3}.get(decode, 1))
+        kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s,
+                               prefetch={"noprefetch": 0, "prefetch2": 2, "prefetch3": 3}.get(decode, 1),
+                               out=torch.zeros_like(q), counters=torch.zeros(slots * hkv, dtype=torch.int32))
     else:
         fn = getattr(m, kernel)
         kwargs = m.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s, decode=decode, fp8_native=True)
