@@ -20,12 +20,13 @@ def _combine_kernel(acc_ptr, ml_ptr, o_ptr, D: tl.constexpr, NUM_SPLITS: tl.cons
     output in o_ptr's dtype."""
     r = tl.program_id(0).to(tl.int64)                  # (batch, q head)
     sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D)
+    # the partials load first and all at once: one memory round trip per program, not two (the weights need m)
+    acc = tl.load(acc_ptr + (r * NUM_SPLITS + sp)[:, None] * D + d[None, :])
     m = tl.load(ml_ptr + (r * NUM_SPLITS + sp) * 2)
     l = tl.load(ml_ptr + (r * NUM_SPLITS + sp) * 2 + 1)
     m_all = tl.max(m, 0)
     w = tl.where(m > -float("inf"), tl.exp(m - m_all), 0.0)
     denom = tl.sum(w * l, 0)
-    d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + (r * NUM_SPLITS + sp)[:, None] * D + d[None, :])
     out = tl.sum(acc * w[:, None], 0) / denom
     tl.store(o_ptr + r * D + d, _cast_out(out, o_ptr, RNE))

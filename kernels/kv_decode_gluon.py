@@ -408,7 +408,7 @@ if HAVE_GLUON:
 
 # Fused merge (the last split's program merges, no combine launch) up to this many splits: one warp reads them
 # all, 4 KB each; more splits (batch 1 at long context) keep attention_combine's parallel merge.
-MERGE_MAX_SPLITS = 16
+MERGE_MAX_SPLITS = 4
 _COUNTERS: dict = {}          # device -> int32 split counters, zero between calls (the merging program resets)
 _OLD_COUNTERS: list = []      # outgrown buffers stay alive: a captured graph may still point at one
 
