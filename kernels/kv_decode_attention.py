@@ -71,13 +71,8 @@ def _dot(a, b, F32: tl.constexpr):
 # cast, Triton 3.6 hoists it past the layout change, which then moves single bytes (the P.V operand wants 4
 # positions per register; the cache holds rows of D): 128 one-byte shared loads per thread and tile, 255
 # registers; as here, 805 instead of 1177 instructions per warp and tile and 168 registers
-# (tools/inspect_attention_sm90.py, sm_90a).
-_FP8_WORD_ASM = tl.constexpr("""{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}""")
+# (tools/inspect_attention_sm90.py, sm_90a). The PTX is kv_decode_gluon's (its FP8 K decode).
+_FP8_WORD_ASM = kv_decode_gluon.FP8_WORD_ASM
 
 
 @triton.jit
@@ -278,8 +273,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     q [B, H_q, D] (bf16 / fp16 / fp32); keys / values: one layer of a packed KVCache (PackedKV, fp4 or fp8);
     slots, lens: int [B] device tensors (1 <= lens[b] <= max_len). Returns [B, H_q, D] in q's dtype (into
     `out` when given: contiguous, q's shape and dtype). No
-    host synchronisation. kernel picks "triton", "gluon" (kv_decode_gluon: NVFP4, head_dim 128, <= 8 query heads
-    per KV head, 16-bit q, CUDA) or "auto" (gluon where it applies). Tunables (None: the chosen kernel's
+    host synchronisation. kernel picks "triton", "gluon" (kv_decode_gluon: NVFP4, or FP8 at block_s 32; head_dim
+    128, <= 8 query heads per KV head, 16-bit q, CUDA) or "auto" (gluon where it applies). Tunables (None: the chosen kernel's
     default): block_s (positions per loop trip), num_splits (or programs_per_sm / min_blocks for the split
     count); the Triton kernel's num_warps / num_stages / decode (how NVFP4 codes become float16: DECODERS); the
     Gluon kernel's prefetch (0: none; 1: the next trip's bytes load into registers during this one; 2: code
@@ -302,11 +297,12 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'gluon', got {kernel!r}")
     gluon_ok = (not INTERPRET and q.device.type == "cuda"
-                and kv_decode_gluon.supported(keys.fmt, d, hq // hkv, q.dtype))
+                and kv_decode_gluon.supported(keys.fmt, d, hq // hkv, q.dtype, block_s or kv_decode_gluon.TILE))
     if kernel == "gluon" and not gluon_ok:
-        raise ValueError(f"the Gluon kernel takes NVFP4, head_dim 128, <= {kv_decode_gluon.HEADS} query heads per "
-                         f"KV head and a 16-bit q on CUDA; got {keys.fmt}, head_dim {d}, {hq // hkv} heads per KV "
-                         f"head, {q.dtype} on {q.device}: pass kernel='triton'")
+        raise ValueError(f"the Gluon kernel takes NVFP4 (or FP8 at block_s 32), head_dim 128, <= "
+                         f"{kv_decode_gluon.HEADS} query heads per KV head and a 16-bit q on CUDA; got {keys.fmt}, "
+                         f"block_s {block_s}, head_dim {d}, {hq // hkv} heads per KV head, {q.dtype} on {q.device}: "
+                         "pass kernel='triton'")
     if gluon_ok and kernel != "triton":
         tile = block_s or kv_decode_gluon.TILE
         if num_splits is None:

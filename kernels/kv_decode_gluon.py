@@ -1,5 +1,6 @@
-"""Decode attention over the packed NVFP4 KV cache on Hopper, written in Gluon: one warp per program, the K and V
-tiles decoded straight into MMA registers (no layout change through shared memory, no barrier between warps).
+"""Decode attention over the packed NVFP4 (and FP8) KV cache on Hopper, written in Gluon: one warp per program, the
+K and V tiles decoded straight into MMA registers (no layout change through shared memory, no barrier between
+warps).
 
 Why: the Triton kernel (kv_decode_attention.py) spends its time in instructions, not bytes. On sm_90a its loop
 issues ~48 warp instructions per cached position at 32/4 heads, a third of them register moves that rebuild
@@ -26,6 +27,9 @@ TB/s (docs/PERF.md). Here each lane loads exactly the bytes its MMA fragments ho
   by other lanes after the ring's wait and a barrier).
 * Up to MERGE_MAX_SPLITS splits, the program that finishes last merges the splits' partials (a counter per
   row and KV head, acq_rel): no combine launch.
+* FP8 (E4M3 + a row scale): the same program with wider groups (a lane takes 32 K bytes of a row, 16 V bytes of
+  a position), `cvt.rn.f16x2.e4m3x2` for the values, one prmt per V word pair to put two positions in a register
+  (`q_order("fp8")`, `o_order("fp8")`).
 Numerics are the Triton kernel's (code * s * 2^-9 in fp16, exact; q scaled per head by a power of two into
 fp16; fp32 accumulation; p * (vr / max vr) in fp16), so the two agree to fp32 rounding order.
 
@@ -54,6 +58,27 @@ MIN_TILES = 16        # ... but a split keeps at least this many TILE steps
 SMALL_GRID_MIN_TILES = 4  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
 LOG2E = math.log2(math.e)
 
+# Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
+FP8_WORD_ASM = triton.language.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+# Two positions' words of E4M3 bytes (even $4, odd $5) -> four fp16x2 (byte b of each: even low, odd high)
+_FP8_PAIR_ASM = triton.language.constexpr("""{
+.reg .b32 t0, t1;
+.reg .b16 l0, h0, l1, h1;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+mov.b32 {l0, h0}, t0;
+mov.b32 {l1, h1}, t1;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, h0;
+cvt.rn.f16x2.e4m3x2 $2, l1;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}""")
+
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -61,7 +86,7 @@ try:  # Gluon ships with Triton >= 3.5
 
     from .w4a16_gluon_gemm import HAVE_GLUON
     if HAVE_GLUON:
-        from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _decode_pairs
+        from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _decode_pairs, _halves
 except Exception:  # pragma: no cover - an old Triton: packed_decode_attention keeps the Triton kernel
     HAVE_GLUON = False
 
@@ -80,30 +105,39 @@ def default_prefetch(tile: int) -> int:
     return 3 if tile == 32 else 2 if tile < 32 else 0
 
 
-def supported(fmt: str, head_dim: int, group: int, q_dtype: torch.dtype) -> bool:
-    """Whether this kernel takes the call: NVFP4, head_dim 128, up to 8 query heads per KV head, 16-bit q."""
-    return (HAVE_GLUON and fmt == "fp4" and head_dim == HEAD_DIM and group <= HEADS
-            and q_dtype in (torch.bfloat16, torch.float16))
+def supported(fmt: str, head_dim: int, group: int, q_dtype: torch.dtype, tile: int = TILE) -> bool:
+    """Whether this kernel takes the call: NVFP4 (or FP8 at 32-position trips), head_dim 128, up to 8 query heads
+    per KV head, 16-bit q."""
+    return (HAVE_GLUON and (fmt == "fp4" or (fmt == "fp8" and tile == TILE)) and head_dim == HEAD_DIM
+            and group <= HEADS and q_dtype in (torch.bfloat16, torch.float16))
 
 
-def q_order() -> torch.Tensor:
-    """Physical head_dim index of each logical K position of the score MMA (module docstring)."""
+def q_order(fmt: str = "fp4") -> torch.Tensor:
+    """Physical head_dim index of each logical K position of the score MMA (module docstring; FP8: lane t takes
+    the 32 bytes of group t, word w per k16 slice: k = 16 w + 8 r + 2 t + e <-> d = 32 t + 4 w + 2 r + e)."""
     k = torch.arange(HEAD_DIM)
+    if fmt == "fp8":
+        e, gr, r, w = k & 1, (k >> 1) & 3, (k >> 3) & 1, k >> 4
+        return 32 * gr + 4 * w + 2 * r + e
     j0, gr, j1, j2, j3, h = k & 1, (k >> 1) & 3, (k >> 3) & 1, (k >> 4) & 1, (k >> 5) & 1, k >> 6
     return 32 * gr + 16 * h + 8 * j3 + 4 * j2 + 2 * j1 + j0
 
 
-def o_order() -> torch.Tensor:
-    """Physical head_dim index of each logical row of the output MMA (module docstring)."""
+def o_order(fmt: str = "fp4") -> torch.Tensor:
+    """Physical head_dim index of each logical row of the output MMA (module docstring; FP8: lane g takes the
+    16 bytes of group g: row = 32 j + 8 b + g <-> d = 16 g + 4 j + b)."""
     r = torch.arange(HEAD_DIM)
+    if fmt == "fp8":
+        g, b, j = r & 7, (r >> 3) & 3, r >> 5
+        return 16 * g + 4 * j + b
     hg, j0, j1, w, h = r & 7, (r >> 3) & 1, (r >> 4) & 1, (r >> 5) & 1, r >> 6
     return 32 * (hg >> 1) + 16 * h + 8 * (hg & 1) + 4 * w + 2 * j1 + j0
 
 
-def emulate_orders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def emulate_orders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str = "fp4") -> torch.Tensor:
     """softmax(q k^T) v computed through the kernel's logical orders (q [H, D], k / v [S, D]): equal to the
     plain computation exactly when the orders are permutations that q, K and the output store agree on."""
-    qo, oo = q_order(), o_order()
+    qo, oo = q_order(fmt), o_order(fmt)
     s_t = k[:, qo] @ q[:, qo].T                          # S^T [S, H], K in logical order
     p_t = torch.softmax(s_t, 0)
     o_t = v[:, oo].T @ p_t                               # O^T [D (logical rows), H]
@@ -125,19 +159,21 @@ if HAVE_GLUON:
         return gl.DistributedLinearLayout(reg, lane, [], [], [tile] + list(shape[1:]))
 
     @gluon.constexpr_function
-    def _k_layout(tile):
-        """[tile, 4 (group gr), 4 (word w)] int32 K code words: lane (g, t) -> rows g, group t; registers: the
-        4 words of the group (one 16-byte load), row + 8, row + 16 ..."""
-        return _rows_layout(tile, [[0, 0, 1], [0, 0, 2], [8, 0, 0]],
-                            [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [tile, 4, 4])
+    def _k_layout(tile, kw):
+        """[tile, 4 (group gr), kw (word w)] int32 K code words (kw = 4 NVFP4, 8 FP8): lane (g, t) -> rows g,
+        group t; registers: the kw words of the group (16 / 32 contiguous bytes), row + 8, row + 16 ..."""
+        words = [[0, 0, 1 << i] for i in range(kw.bit_length() - 1)]
+        return _rows_layout(tile, words + [[8, 0, 0]],
+                            [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [tile, 4, kw])
 
     @gluon.constexpr_function
-    def _v_layout(tile):
-        """[tile, 8 (half group hg), 2 (word w)] int32 V code words: lane (g, t) -> half group g, positions 2t
-        (lane bits 0-1 are position bits 1-2); registers: the 2 words (one 8-byte load), position + 1, + 8,
-        + 16 ..."""
-        return _rows_layout(tile, [[0, 0, 1], [1, 0, 0], [8, 0, 0]],
-                            [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [tile, 8, 2])
+    def _v_layout(tile, vw):
+        """[tile, 8 (half group hg / group g), vw (word w)] int32 V code words (vw = 2 NVFP4, 4 FP8): lane (g, t)
+        -> half group (NVFP4) or 16-byte group (FP8) g, positions 2t (lane bits 0-1 are position bits 1-2);
+        registers: the vw words (8 / 16 contiguous bytes), position + 1, + 8, + 16 ..."""
+        words = [[0, 0, 1 << i] for i in range(vw.bit_length() - 1)]
+        return _rows_layout(tile, words + [[1, 0, 0], [8, 0, 0]],
+                            [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [tile, 8, vw])
 
     @gluon.jit
     def _decode(words, sp):
@@ -145,6 +181,36 @@ if HAVE_GLUON:
         code * 2^-14 * s * 2^5 (exact), byte 4 w + 2 j1 + j0 of the words' 16-byte group, low (h = 0) or high
         element (w4a16_gluon_gemm's word decode)."""
         return _decode_pairs(words, sp, _SCALE_ASM, _DECODE_WORD_ASM).to(gl.float16, bitcast=True)
+
+    @gluon.jit
+    def _decode_k_fp8(kw, TILE: gl.constexpr):
+        """K words [TILE, 4 gr, 8 w] of E4M3 bytes -> fp16 [TILE, 128] in the score MMA's logical K order
+        k = 16 w + 8 r + 2 gr + e (byte 2 r + e of word w; `q_order("fp8")`); the values exactly."""
+        c0, c1 = gl.inline_asm_elementwise(FP8_WORD_ASM, "=r,=r,r", [kw], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        b0, b1 = _halves(c0)
+        b2, b3 = _halves(c1)
+        k = gl.join(gl.join(b0, b1), gl.join(b2, b3))                    # [TILE, gr, w, e, r]
+        k = gl.permute(k, [0, 2, 4, 1, 3])                                # [TILE, w, r, gr, e]
+        return gl.reshape(k, [TILE, 128]).to(gl.float16, bitcast=True)
+
+    @gluon.jit
+    def _decode_v_fp8(vw, TILE: gl.constexpr):
+        """V words [TILE, 8 g, 4 j] of E4M3 bytes -> fp16 V^T [128, TILE], head_dim rows in the logical order
+        32 j + 8 b + g (byte b of word j of group g; `o_order("fp8")`): two positions' bytes interleaved by one
+        prmt, so each register holds a position pair of one head_dim element, as the P.V MMA's A wants."""
+        pairs = gl.permute(gl.reshape(vw, [TILE // 2, 2, 8, 4]), [0, 2, 3, 1])   # [T/2, g, j, position bit 0]
+        even, odd = gl.split(pairs)
+        d0, d1, d2, d3 = gl.inline_asm_elementwise(_FP8_PAIR_ASM, "=r,=r,=r,=r,r,r", [even, odd],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+        e0, o0 = _halves(d0)
+        e1, o1 = _halves(d1)
+        e2, o2 = _halves(d2)
+        e3, o3 = _halves(d3)
+        v = gl.join(gl.join(gl.join(e0, o0), gl.join(e1, o1)), gl.join(gl.join(e2, o2), gl.join(e3, o3)))
+        v = gl.permute(v, [2, 5, 4, 1, 0, 3])                             # [j, b1, b0, g, T/2, pair]
+        return gl.reshape(v, [128, TILE]).to(gl.float16, bitcast=True)
 
     @gluon.jit
     def _q_pow2(amax):
@@ -155,15 +221,15 @@ if HAVE_GLUON:
         return (fe << 23).to(gl.float32, bitcast=True), ((254 - fe) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw):
+    def _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS: gl.constexpr):
         """Addresses of one trip's K / V code words (positions s0 .. s0 + TILE). Rows past the split reread its
         last row (no masks: the loads stay 16- and 8-byte vectors; the caller masks the scores), so a prefetch
         past the end is harmless."""
         last = s_end - 1
         rk = stream + gl.minimum(s0 + k_rows, last)
         rv = stream + gl.minimum(s0 + v_rows, last)
-        return (kw_ptr + gl.expand_dims(gl.expand_dims(rk * 16, 1), 2) + k_grw,
-                vw_ptr + gl.expand_dims(gl.expand_dims(rv * 16, 1), 2) + v_hgw)
+        return (kw_ptr + gl.expand_dims(gl.expand_dims(rk * ROW_WORDS, 1), 2) + k_grw,
+                vw_ptr + gl.expand_dims(gl.expand_dims(rv * ROW_WORDS, 1), 2) + v_hgw)
 
     @gluon.jit
     def _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows, v_hg, c_rows):
@@ -177,17 +243,19 @@ if HAVE_GLUON:
                 gl.load(kr_ptr + rc), gl.load(vr_ptr + rc))
 
     @gluon.jit
-    def _copy_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s, vs_s, kr_s, vr_s, TILE: gl.constexpr):
-        """PREFETCH 3: one trip's scale pairs and row scales into ring slots by cp.async, a row per lane (8 bytes of
-        K pairs, 8 of V pairs, 4 + 4 of row scales; rows clamped like _word_ptrs). Other lanes read them back: the
-        ring's wait is followed by a barrier (one warp: cheap)."""
+    def _copy_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s, vs_s, kr_s, vr_s, TILE: gl.constexpr,
+                     PAIRS: gl.constexpr):
+        """PREFETCH 3: one trip's scale pairs (NVFP4: PAIRS) and row scales into ring slots by cp.async, a row per
+        lane (8 bytes of K pairs, 8 of V pairs, 4 + 4 of row scales; rows clamped like _word_ptrs). Other lanes
+        read them back: the ring's wait is followed by a barrier (one warp: cheap)."""
         pair_cp: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
         row_cp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        rows = gl.arange(0, TILE, gl.SliceLayout(1, pair_cp))
-        r = stream + gl.minimum(s0 + rows, s_end - 1)
-        off = gl.expand_dims(r * 4, 1) + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, pair_cp)), 0)
-        async_copy.async_copy_global_to_shared(ks_s, ks16 + off)
-        async_copy.async_copy_global_to_shared(vs_s, vs16 + off)
+        if PAIRS:
+            rows = gl.arange(0, TILE, gl.SliceLayout(1, pair_cp))
+            r = stream + gl.minimum(s0 + rows, s_end - 1)
+            off = gl.expand_dims(r * 4, 1) + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, pair_cp)), 0)
+            async_copy.async_copy_global_to_shared(ks_s, ks16 + off)
+            async_copy.async_copy_global_to_shared(vs_s, vs16 + off)
         rr = stream + gl.minimum(s0 + gl.arange(0, TILE, row_cp), s_end - 1)
         async_copy.async_copy_global_to_shared(kr_s, kr_ptr + rr)
         async_copy.async_copy_global_to_shared(vr_s, vr_ptr + rr)
@@ -236,17 +304,23 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
                              ml_ptr, o_ptr, cnt_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
-                             PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr):
+                             PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr,
+                             FP8: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits, or (MERGE_SPLITS =
-        NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits)."""
+        NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits). FP8: E4M3 codes
+        and row scales (no block scales; prefetch 3 only), else NVFP4."""
         D: gl.constexpr = 128
         N: gl.constexpr = 8
+        ROW_WORDS: gl.constexpr = 32 if FP8 else 16       # 32-bit code words per cached row
+        KW: gl.constexpr = 8 if FP8 else 4                 # K words a lane takes per row (its 32-element group)
+        VW: gl.constexpr = 4 if FP8 else 2                 # V words a lane takes per position
+        CODE_F: gl.constexpr = 1.0 if FP8 else 512.0       # FP8 decodes to the value, NVFP4 to value * 2^-9
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        kl: gl.constexpr = _k_layout(TILE)
-        vl: gl.constexpr = _v_layout(TILE)
+        kl: gl.constexpr = _k_layout(TILE, KW)
+        vl: gl.constexpr = _v_layout(TILE, VW)
         rows_c: gl.constexpr = gl.SliceLayout(1, mma)       # positions of S^T, head_dim rows of O^T
         cols_c: gl.constexpr = gl.SliceLayout(0, mma)       # heads
 
@@ -261,18 +335,18 @@ if HAVE_GLUON:
         q_row0 = b * HQ + hk * GROUP
 
         stream = (slot * HKV + hk) * L                       # first row of this (slot, KV head) stream
-        kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32))       # 16 words per row
+        kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32))       # ROW_WORDS words per row
         vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32))
         ks16 = ks_ptr.to(gl.pointer_type(gl.int16))         # 4 scale pairs per row
         vs16 = vs_ptr.to(gl.pointer_type(gl.int16))
         k_rows = gl.arange(0, TILE, gl.SliceLayout(1, gl.SliceLayout(2, kl)))
         k_gr = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, kl)))
-        k_w = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, kl)))
-        k_grw = gl.expand_dims(gl.expand_dims(k_gr * 4, 0), 2) + gl.expand_dims(gl.expand_dims(k_w, 0), 1)
+        k_w = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(1, kl)))
+        k_grw = gl.expand_dims(gl.expand_dims(k_gr * KW, 0), 2) + gl.expand_dims(gl.expand_dims(k_w, 0), 1)
         v_rows = gl.arange(0, TILE, gl.SliceLayout(1, gl.SliceLayout(2, vl)))
         v_hg = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(2, vl)))
-        v_w = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, vl)))
-        v_hgw = gl.expand_dims(gl.expand_dims(v_hg * 2, 0), 2) + gl.expand_dims(gl.expand_dims(v_w, 0), 1)
+        v_w = gl.arange(0, VW, gl.SliceLayout(0, gl.SliceLayout(1, vl)))
+        v_hgw = gl.expand_dims(gl.expand_dims(v_hg * VW, 0), 2) + gl.expand_dims(gl.expand_dims(v_w, 0), 1)
         c_rows = gl.arange(0, TILE, rows_c)
 
         m_i = gl.full([N], -float("inf"), gl.float32, cols_c)
@@ -287,47 +361,50 @@ if HAVE_GLUON:
         REG_SCALES: gl.constexpr = PREFETCH == 1 or PREFETCH == 2
         if PREFETCH >= 2:
             ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-            kw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 4, 4], ring)
-            vw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 8, 2], ring)
+            kw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 4, KW], ring)
+            vw_s = gl.allocate_shared_memory(gl.int32, [STAGES, TILE, 8, VW], ring)
             if RING_SCALES:
                 pairs_ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])   # (a slot's rank)
                 rows_ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-                ks_s = gl.allocate_shared_memory(gl.int16, [STAGES, TILE, 4], pairs_ring)
-                vs_s = gl.allocate_shared_memory(gl.int16, [STAGES, TILE, 4], pairs_ring)
+                ks_s = gl.allocate_shared_memory(gl.int16, [STAGES, 1 if FP8 else TILE, 4], pairs_ring)
+                vs_s = gl.allocate_shared_memory(gl.int16, [STAGES, 1 if FP8 else TILE, 4], pairs_ring)
                 kr_s = gl.allocate_shared_memory(gl.float32, [STAGES, TILE], rows_ring)
                 vr_s = gl.allocate_shared_memory(gl.float32, [STAGES, TILE], rows_ring)
             for st in gl.static_range(STAGES - 1):
                 kwp, vwp = _word_ptrs(s_begin + st * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows,
-                                      v_hgw)
+                                      v_hgw, ROW_WORDS)
                 async_copy.async_copy_global_to_shared(kw_s.index(st), kwp)
                 async_copy.async_copy_global_to_shared(vw_s.index(st), vwp)
                 if RING_SCALES:
                     _copy_scales(s_begin + st * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s.index(st),
-                                 vs_s.index(st), kr_s.index(st), vr_s.index(st), TILE)
+                                 vs_s.index(st), kr_s.index(st), vr_s.index(st), TILE, not FP8)
                 async_copy.commit_group()
         # Q^T [128 (logical k), 8 heads] in the B fragment layout, gathered in q_order, scaled per head (after the
         # ring's first copies are issued: its latency overlaps theirs)
         kk = gl.arange(0, D, gl.SliceLayout(1, b_op))
-        d_q = (32 * ((kk >> 1) & 3) + 16 * (kk >> 6) + 8 * ((kk >> 5) & 1) + 4 * ((kk >> 4) & 1)
-               + 2 * ((kk >> 3) & 1) + (kk & 1))
+        if FP8:
+            d_q = 32 * ((kk >> 1) & 3) + 4 * (kk >> 4) + 2 * ((kk >> 3) & 1) + (kk & 1)
+        else:
+            d_q = (32 * ((kk >> 1) & 3) + 16 * (kk >> 6) + 8 * ((kk >> 5) & 1) + 4 * ((kk >> 4) & 1)
+                   + 2 * ((kk >> 3) & 1) + (kk & 1))
         nn = gl.arange(0, N, gl.SliceLayout(0, b_op))
         q = gl.load(q_ptr + gl.expand_dims((q_row0 + nn).to(gl.int64) * D, 0) + gl.expand_dims(d_q, 1),
                     mask=gl.expand_dims(nn < GROUP, 0), other=0.0).to(gl.float32)
         f, inv_f = _q_pow2(gl.max(gl.abs(q), 0))
         q_b = (q * gl.expand_dims(f, 0)).to(gl.float16)
-        # per head: sm_scale * log2(e) (exp2 softmax) * 2^9 (the code offset) / f
-        row_f = gl.convert_layout(inv_f, cols_c) * (qk_scale * 512.0)
+        # per head: sm_scale * log2(e) (exp2 softmax) * 2^9 (NVFP4's code offset) / f
+        row_f = gl.convert_layout(inv_f, cols_c) * (qk_scale * CODE_F)
 
         if REG_SCALES:     # this trip's bytes were loaded during the previous one
             ks, vs, kr, vr = _load_scales(s_begin, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
                                           v_hg, c_rows)
         if PREFETCH == 1:
-            kwp, vwp = _word_ptrs(s_begin, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw)
+            kwp, vwp = _word_ptrs(s_begin, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
             kw = gl.load(kwp)
             vw = gl.load(vwp)
         for s0 in range(s_begin, s_end, TILE):
             if PREFETCH == 0:
-                kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw)
+                kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
                 kw = gl.load(kwp)
                 vw = gl.load(vwp)
                 ks, vs, kr, vr = _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
@@ -336,30 +413,36 @@ if HAVE_GLUON:
                 i = (s0 - s_begin) // TILE
                 ahead = (i + STAGES - 1) % STAGES
                 kwp, vwp = _word_ptrs(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw,
-                                      v_rows, v_hgw)
+                                      v_rows, v_hgw, ROW_WORDS)
                 async_copy.async_copy_global_to_shared(kw_s.index(ahead), kwp)
                 async_copy.async_copy_global_to_shared(vw_s.index(ahead), vwp)
                 if RING_SCALES:
                     _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr,
-                                 ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE)
+                                 ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE,
+                                 not FP8)
                 async_copy.commit_group()
                 async_copy.wait_group(STAGES - 1)
                 if RING_SCALES:
                     gl.thread_barrier()     # the scale rows of this slot were copied by other lanes
                 kw = kw_s.index(i % STAGES).load(kl)
                 vw = vw_s.index(i % STAGES).load(vl)
-                if RING_SCALES:
+                if RING_SCALES and not FP8:
                     # V's scale pair of half group hg is pair hg // 2: the words as [TILE, pair, 4], whose
                     # slice drops the lane bit of hg % 2 (lanes that share a pair read the same bytes)
                     vw = gl.reshape(vw, [TILE, 4, 4])
                     ks = ks_s.index(i % STAGES).load(gl.SliceLayout(2, kl))
                     vs = vs_s.index(i % STAGES).load(gl.SliceLayout(2, vw.type.layout))
+                if RING_SCALES:
                     kr = kr_s.index(i % STAGES).load(rows_c)
                     vr = vr_s.index(i % STAGES).load(rows_c)
             valid = s0 + c_rows < s_end
             vr = gl.where(valid, vr, 0.0)
-            k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
-            k = gl.convert_layout(gl.reshape(k, [TILE, D]), a_op, assert_trivial=True)
+            if FP8:
+                k = _decode_k_fp8(kw, TILE)
+            else:
+                k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
+                k = gl.reshape(k, [TILE, D])
+            k = gl.convert_layout(k, a_op, assert_trivial=True)
             s_t = mma_v2(k, q_b, gl.zeros([TILE, N], gl.float32, mma))
             s_t = s_t * gl.expand_dims(kr, 1) * gl.expand_dims(row_f, 0)
             s_t = gl.where(gl.expand_dims(valid, 1), s_t, -float("inf"))
@@ -372,27 +455,33 @@ if HAVE_GLUON:
             p = p * gl.expand_dims(vr * (1.0 / v_top), 1)
             p_b = gl.convert_layout(p.to(gl.float16), b_op)
 
-            v = _decode(vw, vs)
-            if RING_SCALES:
-                v = gl.reshape(v, [TILE, 8, 2, 2, 2, 2])
-            v = gl.permute(v, [5, 2, 4, 3, 1, 0])                                # [h, w, j1, j0, hg, T]
-            v = gl.convert_layout(gl.reshape(v, [D, TILE]), a_op)
+            if FP8:
+                v = _decode_v_fp8(vw, TILE)
+            else:
+                v = _decode(vw, vs)
+                if RING_SCALES:
+                    v = gl.reshape(v, [TILE, 8, 2, 2, 2, 2])
+                v = gl.reshape(gl.permute(v, [5, 2, 4, 3, 1, 0]), [D, TILE])    # [h, w, j1, j0, hg, T]
+            v = gl.convert_layout(v, a_op)
             o = mma_v2(v, p_b, gl.zeros([D, N], gl.float32, mma))
-            acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * 512.0)
+            acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * CODE_F)
             m_i = m_new
             if REG_SCALES:
                 ks, vs, kr, vr = _load_scales(s0 + TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
                                               v_rows, v_hg, c_rows)
             if PREFETCH == 1:
-                kwp, vwp = _word_ptrs(s0 + TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw)
+                kwp, vwp = _word_ptrs(s0 + TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
                 kw = gl.load(kwp)
                 vw = gl.load(vwp)
 
         heads = gl.arange(0, N, cols_c)
         out_row = (q_row0 + heads) * NUM_SPLITS + sp
         r = gl.arange(0, D, rows_c)
-        d_o = (32 * ((r & 7) >> 1) + 16 * (r >> 6) + 8 * (r & 1) + 4 * ((r >> 5) & 1) + 2 * ((r >> 4) & 1)
-               + ((r >> 3) & 1))
+        if FP8:
+            d_o = 16 * (r & 7) + 4 * (r >> 5) + ((r >> 3) & 3)
+        else:
+            d_o = (32 * ((r & 7) >> 1) + 16 * (r >> 6) + 8 * (r & 1) + 4 * ((r >> 5) & 1) + 2 * ((r >> 4) & 1)
+                   + ((r >> 3) & 1))
         h_mask = heads < GROUP
         gl.store(acc_ptr + gl.expand_dims(out_row.to(gl.int64) * D, 0) + gl.expand_dims(d_o, 1), acc,
                  mask=gl.expand_dims(h_mask, 0))
@@ -436,11 +525,14 @@ def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.
     _, hkv, max_len, _ = keys.codes.shape
     splits = acc.shape[2]
     merge = out is not None and (splits == 1 or counters is not None)
-    return dict(q_ptr=q, kc_ptr=keys.codes, ks_ptr=keys.scales, kr_ptr=keys.row_scale, vc_ptr=values.codes,
-                vs_ptr=values.scales, vr_ptr=values.row_scale, slots_ptr=slots, lens_ptr=lens, acc_ptr=acc,
+    fp8 = keys.fmt == "fp8"
+    return dict(q_ptr=q, kc_ptr=keys.codes, ks_ptr=keys.codes if fp8 else keys.scales, kr_ptr=keys.row_scale,
+                vc_ptr=values.codes, vs_ptr=values.codes if fp8 else values.scales, vr_ptr=values.row_scale,
+                slots_ptr=slots, lens_ptr=lens, acc_ptr=acc,
                 ml_ptr=ml, o_ptr=out if merge else q, cnt_ptr=counters if merge and splits > 1 else lens,
                 HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=splits, qk_scale=sm_scale * LOG2E,
-                TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0)
+                TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0,
+                FP8=fp8)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,
@@ -451,6 +543,9 @@ def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, sl
     if prefetch not in (0, 1, 2, 3) or (prefetch == 3 and tile < 32):
         raise ValueError(f"prefetch must be 0, 1, 2 or 3 (3 needs trips of >= 32 positions: a scale row per lane), "
                          f"got prefetch={prefetch} with {tile}-position trips")
+    if keys.fmt == "fp8" and prefetch != 3:
+        raise ValueError(f"the FP8 path runs with prefetch 3 (codes and row scales through the ring), got "
+                         f"prefetch={prefetch}: leave prefetch unset, or pass kernel='triton'")
     bsz, hq, d = q.shape
     hkv = keys.codes.shape[1]
     qc = q.contiguous()

@@ -128,6 +128,10 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
                         dict(kernel="gluon", fused_merge=False), dict(kernel="gluon", num_splits=16),
                         dict(kernel="gluon", num_splits=32), dict(kernel="gluon", num_splits=32, fused_merge=True),
                         dict(kernel="gluon", num_splits=2, prefetch=2), dict(kernel="gluon", num_splits=1, prefetch=3)]
+        if fmt == "fp8" and dtype == torch.bfloat16:     # the Gluon kernel's FP8 path (also the default {} here)
+            configs += [dict(kernel="gluon"), dict(kernel="gluon", num_splits=1), dict(kernel="gluon", num_splits=64),
+                        dict(kernel="gluon", num_splits=4), dict(kernel="gluon", num_splits=8, fused_merge=True),
+                        dict(kernel="gluon", fused_merge=False), dict(kernel="triton")]
     for cfg in configs:
         out = torch.full_like(q, float("nan"))                   # poisoned: every element must be written
         assert packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, **cfg) is out
@@ -136,21 +140,27 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
         assert err < tol, (cfg, err)
 
 
-def test_gluon_orders_are_permutations_that_q_k_v_and_the_store_agree_on():
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_gluon_orders_are_permutations_that_q_k_v_and_the_store_agree_on(fmt):
     """kv_decode_gluon's logical head_dim orders (the MMA fragments' K of the scores, the rows of O^T): each is a
     permutation, and attention through them (q, K gathered in one, V in the other, the output stored back) is
     plain attention. The GPU test above checks the kernel's own index arithmetic against the reference."""
     from megatron_qrl.kernels import kv_decode_gluon as kg
-    for order in (kg.q_order(), kg.o_order()):
+    for order in (kg.q_order(fmt), kg.o_order(fmt)):
         assert sorted(order.tolist()) == list(range(kg.HEAD_DIM))
         assert not torch.equal(order, torch.arange(kg.HEAD_DIM))          # a real reordering, not identity
     g = _gen(3)
     q, k, v = (torch.randn(n, kg.HEAD_DIM, generator=g, dtype=torch.float64) for n in (8, 77, 77))
     ref = torch.softmax(q @ k.T, -1) @ v
-    assert torch.allclose(kg.emulate_orders(q, k, v), ref, rtol=0, atol=1e-12)
-    # q_order groups each lane's 16 code bytes: logical k = 64 h + 32 j3 + 16 j2 + 8 j1 + 2 gr + j0
-    assert kg.q_order()[2].item() == 32 and kg.q_order()[8].item() == 2 and kg.q_order()[64].item() == 16
-    assert kg.o_order()[1].item() == 8 and kg.o_order()[2].item() == 32 and kg.o_order()[8].item() == 1
+    assert torch.allclose(kg.emulate_orders(q, k, v, fmt), ref, rtol=0, atol=1e-12)
+    if fmt == "fp4":   # q_order groups each lane's 16 code bytes: logical k = 64 h + 32 j3 + 16 j2 + 8 j1 + 2 gr + j0
+        assert kg.q_order()[2].item() == 32 and kg.q_order()[8].item() == 2 and kg.q_order()[64].item() == 16
+        assert kg.o_order()[1].item() == 8 and kg.o_order()[2].item() == 32 and kg.o_order()[8].item() == 1
+    else:              # lane t's 32 K bytes, a word per k16 slice; lane g's 16 V bytes, a byte per register pair
+        assert kg.q_order("fp8")[2].item() == 32 and kg.q_order("fp8")[8].item() == 2
+        assert kg.q_order("fp8")[16].item() == 4
+        assert kg.o_order("fp8")[1].item() == 16 and kg.o_order("fp8")[8].item() == 1
+        assert kg.o_order("fp8")[32].item() == 4
 
 
 @pytest.mark.skipif(GPU, reason="the CPU's answer to a Gluon request")
@@ -159,6 +169,17 @@ def test_gluon_kernel_request_off_gpu_is_a_clear_error():
     q = torch.randn(2, 8, HEAD_DIM).to(torch.bfloat16)
     with pytest.raises(ValueError, match="kernel='triton'"):
         packed_decode_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([3, 5]), 0.1, kernel="gluon")
+
+
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on a GPU only")
+def test_gluon_fp8_runs_with_its_ring_only():
+    k, v = _filled_caches("fp8", 2, _gen(6))
+    q = torch.randn(2, 8, HEAD_DIM).to(torch.bfloat16).to(DEVICE)
+    slots, lens = torch.tensor([0, 1], device=DEVICE), torch.tensor([3, 5], device=DEVICE)
+    with pytest.raises(ValueError, match="prefetch 3"):
+        packed_decode_attention(q, k, v, slots, lens, 0.1, kernel="gluon", prefetch=2)
+    with pytest.raises(ValueError, match="kernel='triton'"):
+        packed_decode_attention(q, k, v, slots, lens, 0.1, kernel="gluon", block_s=64)
 
 
 def test_gluon_splits_take_16_trips_unless_the_grid_would_leave_sms_idle():

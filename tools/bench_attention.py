@@ -42,18 +42,14 @@ MAX_COPIES = 64
 def sweep(fmt: str, mode: str) -> list[dict]:
     """Tunable sets of packed_decode_attention; the first is the default (no arguments)."""
     default = [{}]
-    if mode == "focus":     # 2026-12-06: the Gluon NVFP4 kernel's tunables; the Triton kernel's best tiles
-        # (gluon configs merge in the kernel up to 16 splits unless fm0; mb / pps change the split count)
-        tri = [dict(block_s=b, num_warps=w, programs_per_sm=p) for b, w in ((128, 4), (128, 8), (64, 4))
-               for p in (2, 3, 4)]
+    if mode == "focus":     # 2026-12-06: the Gluon kernel's tunables (both formats); the Triton kernel for comparison
+        # (gluon merges in the kernel up to 4 splits unless fm0 / fm1 say; mb changes the split count)
+        tri = [dict(kernel="triton"), dict(kernel="triton", block_s=128, num_warps=4, programs_per_sm=3)]
+        gl = [dict(kernel="gluon", fused_merge=False), dict(kernel="gluon", fused_merge=True),
+              dict(kernel="gluon", min_blocks=4), dict(kernel="gluon", min_blocks=8)]
         if fmt != "nvfp4":
-            return default + tri
-        gl = [dict(kernel="gluon", prefetch=2, fused_merge=False),      # the defaults before the second call
-              dict(kernel="gluon", prefetch=3, fused_merge=False)] + [
-            dict(kernel="gluon", min_blocks=m) for m in (2, 4, 8, 16)] + [
-            dict(kernel="gluon", min_blocks=m, fused_merge=True) for m in (4, 8)] + [
-            dict(kernel="gluon", programs_per_sm=8)]
-        return default + gl + [dict(kernel="triton", **t) for t in tri[1:2]]
+            return default + gl + tri
+        return default + [dict(kernel="gluon", prefetch=2, fused_merge=False)] + gl + tri[1:]
     if mode != "all":
         return default
     tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
