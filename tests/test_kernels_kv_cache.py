@@ -128,7 +128,7 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
                         dict(kernel="gluon", fused_merge=False), dict(kernel="gluon", num_splits=16),
                         dict(kernel="gluon", num_splits=32), dict(kernel="gluon", num_splits=32, fused_merge=True),
                         dict(kernel="gluon", num_splits=2, prefetch=2), dict(kernel="gluon", num_splits=1, prefetch=3)]
-        if fmt == "fp8" and dtype == torch.bfloat16:     # the Gluon kernel's FP8 path (also the default {} here)
+        if fmt == "fp8" and dtype == torch.bfloat16:     # the Gluon kernel's FP8 path (the default {} too with FP8_DEFAULT)
             configs += [dict(kernel="gluon"), dict(kernel="gluon", num_splits=1), dict(kernel="gluon", num_splits=64),
                         dict(kernel="gluon", num_splits=4), dict(kernel="gluon", num_splits=8, fused_merge=True),
                         dict(kernel="gluon", fused_merge=False), dict(kernel="triton")]
