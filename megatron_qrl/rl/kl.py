@@ -41,5 +41,5 @@ def kl_estimate(log_ratio: torch.Tensor, estimator: str = "k3", clip: bool = Tru
     if est == "k2":
         return 0.5 * log_ratio * log_ratio
     lr = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) if clip else log_ratio
-    k3 = torch.exp(lr) - 1.0 - lr
+    k3 = torch.expm1(lr) - lr          # e^l - 1 - l; expm1 keeps it >= 0 where l is a rounding error from 0
     return k3.clamp(-K3_CLIP, K3_CLIP) if clip else k3
