@@ -274,8 +274,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     slots, lens: int [B] device tensors (1 <= lens[b] <= max_len). Returns [B, H_q, D] in q's dtype (into
     `out` when given: contiguous, q's shape and dtype). No
     host synchronisation. kernel picks "triton", "gluon" (kv_decode_gluon: NVFP4, or FP8 at block_s 32; head_dim
-    128, <= 8 query heads per KV head, 16-bit q, CUDA) or "auto" (gluon where it applies; for FP8 only with
-    kv_decode_gluon.FP8_DEFAULT). Tunables (None: the chosen kernel's
+    128, <= 8 query heads per KV head, 16-bit q, CUDA) or "auto" (gluon where it applies; for FP8 from
+    kv_decode_gluon.FP8_MIN_PAIRS rows x KV heads). Tunables (None: the chosen kernel's
     default): block_s (positions per loop trip), num_splits (or programs_per_sm / min_blocks for the split
     count); the Triton kernel's num_warps / num_stages / decode (how NVFP4 codes become float16: DECODERS); the
     Gluon kernel's prefetch (0: none; 1: the next trip's bytes load into registers during this one; 2: code
@@ -304,7 +304,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
                          f"{kv_decode_gluon.HEADS} query heads per KV head and a 16-bit q on CUDA; got {keys.fmt}, "
                          f"block_s {block_s}, head_dim {d}, {hq // hkv} heads per KV head, {q.dtype} on {q.device}: "
                          "pass kernel='triton'")
-    if gluon_ok and (kernel == "gluon" or (kernel == "auto" and (keys.fmt == "fp4" or kv_decode_gluon.FP8_DEFAULT))):
+    if gluon_ok and (kernel == "gluon" or (kernel == "auto" and (keys.fmt == "fp4"
+                                                                 or bsz * hkv >= kv_decode_gluon.FP8_MIN_PAIRS))):
         tile = block_s or kv_decode_gluon.TILE
         if num_splits is None:
             num_splits = split_count(bsz, hkv, max_len, tile, _sm_count(q.device),

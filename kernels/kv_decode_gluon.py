@@ -57,9 +57,9 @@ PROGRAMS_PER_SM = 4   # one-warp programs: split target for kv_decode_attention.
 MIN_TILES = 16        # ... but a split keeps at least this many TILE steps
 SMALL_GRID_MIN_TILES = 4  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
 LOG2E = math.log2(math.e)
-# FP8 runs here only on request (kernel="gluon") until a GPU run has checked and timed it: written and
-# compile-checked for sm_90a on 2026-12-06, no device could be started for its test run (docs/PERF.md)
-FP8_DEFAULT = False
+# FP8 takes this kernel by default from this many (row, KV head) pairs (H100, 2026-12-06: 1.05-1.09x the Triton
+# kernel from 128 pairs, even at 64, 0.9x at batch 1: docs/PERF.md); kernel="gluon" forces it
+FP8_MIN_PAIRS = 128
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{

@@ -128,7 +128,7 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
                         dict(kernel="gluon", fused_merge=False), dict(kernel="gluon", num_splits=16),
                         dict(kernel="gluon", num_splits=32), dict(kernel="gluon", num_splits=32, fused_merge=True),
                         dict(kernel="gluon", num_splits=2, prefetch=2), dict(kernel="gluon", num_splits=1, prefetch=3)]
-        if fmt == "fp8" and dtype == torch.bfloat16:     # the Gluon kernel's FP8 path (the default {} too with FP8_DEFAULT)
+        if fmt == "fp8" and dtype == torch.bfloat16:     # the Gluon kernel's FP8 path (auto picks it from FP8_MIN_PAIRS)
             configs += [dict(kernel="gluon"), dict(kernel="gluon", num_splits=1), dict(kernel="gluon", num_splits=64),
                         dict(kernel="gluon", num_splits=4), dict(kernel="gluon", num_splits=8, fused_merge=True),
                         dict(kernel="gluon", fused_merge=False), dict(kernel="triton")]
@@ -203,8 +203,9 @@ def test_split_count_fills_the_gpu_and_stays_static():
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("fmt,extra", [("fp4", {}), ("fp8", {}),
-                                       ("fp4", dict(kernel="gluon", num_splits=8, fused_merge=True))],
-                         ids=["fp4", "fp8", "fp4-merge-in-kernel"])
+                                       ("fp4", dict(kernel="gluon", num_splits=8, fused_merge=True)),
+                                       ("fp8", dict(kernel="gluon")), ("fp8", dict(kernel="gluon", num_splits=2))],
+                         ids=["fp4", "fp8", "fp4-merge-in-kernel", "fp8-gluon", "fp8-gluon-merge-in-kernel"])
 def test_packed_attention_replays_in_a_cuda_graph(fmt, extra):
     """Captured once, replayed with other slots and lengths (device tensors): equal to eager calls (the
     in-kernel merge's counters are back at zero after every call, so replays merge too)."""
