@@ -89,7 +89,7 @@ try:  # Gluon ships with Triton >= 3.5
 
     from .w4a16_gluon_gemm import HAVE_GLUON
     if HAVE_GLUON:
-        from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _decode_pairs, _halves
+        from .w4a16_gluon_gemm import _DECODE_WORD_ASM, _SCALE_ASM, _decode_pairs, _halves, _joined_halves
 except Exception:  # pragma: no cover - an old Triton: packed_decode_attention keeps the Triton kernel
     HAVE_GLUON = False
 
@@ -207,11 +207,7 @@ if HAVE_GLUON:
         d0, d1, d2, d3 = gl.inline_asm_elementwise(_FP8_PAIR_ASM, "=r,=r,=r,=r,r,r", [even, odd],
                                                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
                                                    is_pure=True, pack=1)
-        e0, o0 = _halves(d0)
-        e1, o1 = _halves(d1)
-        e2, o2 = _halves(d2)
-        e3, o3 = _halves(d3)
-        v = gl.join(gl.join(gl.join(e0, o0), gl.join(e1, o1)), gl.join(gl.join(e2, o2), gl.join(e3, o3)))
+        v = _joined_halves(d0, d1, d2, d3)                                # [T/2, g, j, pair, b0, b1]
         v = gl.permute(v, [2, 5, 4, 1, 0, 3])                             # [j, b1, b0, g, T/2, pair]
         return gl.reshape(v, [128, TILE]).to(gl.float16, bitcast=True)
 

@@ -364,13 +364,17 @@ if HAVE_GLUON:
                                                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
                                                    is_pure=True, pack=1)
         # d0 = low elements of bytes 0, 1 (j1 = 0, j0 = 0/1), d1 = bytes 2, 3 (j1 = 1); d2, d3 high
+        return _joined_halves(d0, d1, d2, d3)                          # [R, X, w, j0, j1, h]
+
+    @gluon.jit
+    def _joined_halves(d0, d1, d2, d3):
+        """Four int32 tensors of 16-bit pairs -> int16 [..., 2, 2, 2]: the pair's half, then d0 / d1 (d2 / d3),
+        then d0, d1 / d2, d3 (the register split of _halves; no arithmetic)."""
         d0a, d0b = _halves(d0)
         d1a, d1b = _halves(d1)
         d2a, d2b = _halves(d2)
         d3a, d3b = _halves(d3)
-        lo = gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b))           # [R, X, w, j0, j1]
-        hi = gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b))
-        return gl.join(lo, hi)
+        return gl.join(gl.join(gl.join(d0a, d0b), gl.join(d1a, d1b)), gl.join(gl.join(d2a, d2b), gl.join(d3a, d3b)))
 
     @gluon.jit
     def _decode_words(words, sp, ROWS: gl.constexpr, SCALE_ASM: gl.constexpr, WORD_ASM: gl.constexpr,
