@@ -252,3 +252,17 @@ def test_packed_cache_reads_the_dequantized_values_in_fewer_bytes(fmt, dtype):
     assert packed.nbytes() == 0
     packed.allocate()
     assert packed.nbytes() == bf16.nbytes() / ratio and not packed.read(1, every, 12)[0].any()
+
+
+def test_split_counters_start_at_zero_grow_and_keep_the_old_buffer():
+    """The in-kernel merge's counters: zero, at least n, reused while they suffice; an outgrown buffer stays
+    referenced (a graph captured with it still points at it)."""
+    from megatron_qrl.kernels import kv_decode_gluon as kg
+    dev = torch.device("cpu")
+    kg._COUNTERS.pop(dev, None)
+    a = kg.split_counters(dev, 10)
+    assert a.dtype == torch.int32 and a.numel() >= 10 and not a.any()
+    assert kg.split_counters(dev, a.numel()) is a
+    b = kg.split_counters(dev, a.numel() + 1)
+    assert b.numel() > a.numel() and not b.any() and any(o is a for o in kg._OLD_COUNTERS)
+    kg._COUNTERS.pop(dev, None)
