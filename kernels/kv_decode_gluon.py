@@ -507,7 +507,7 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
     at a time uses them: two concurrent launches would count into the same slots."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         if buf is not None:
             _OLD_COUNTERS.append(buf)
