@@ -47,7 +47,7 @@ from .attention_combine import _combine_kernel
 from .kv_layout import PackedKV
 
 TILE = 32            # positions per loop trip (2 m16 tiles of scores, 2 k16 steps of P.V)
-RING_STAGES = 3      # prefetch=2: shared-memory slots of the cp.async ring of code words
+RING_STAGES = 3      # prefetch >= 2: shared-memory slots of the cp.async ring (code words; scales at 3)
 HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
 # defaults: tools/bench_attention.py's sweeps on an H100, 2026-12-06 (docs/PERF.md): code words and scales
