@@ -60,6 +60,9 @@ LOG2E = math.log2(math.e)
 # FP8 takes this kernel by default from this many (row, KV head) pairs (H100, 2026-12-06: 1.05-1.09x the Triton
 # kernel from 128 pairs, even at 64, 0.9x at batch 1: docs/PERF.md); kernel="gluon" forces it
 FP8_MIN_PAIRS = 128
+# The in-kernel merge loads this many splits' partials at a time (32 floats a lane each: 4 takes the kernel from
+# 156 to 186 registers, 2 to 168)
+MERGE_ROUND = 2
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{
@@ -271,40 +274,51 @@ if HAVE_GLUON:
         return gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
 
     @gluon.jit
-    def _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, SPLITS: gl.constexpr):
-        """attention_combine._combine_kernel's merge for the GROUP query heads from q_row0: weights exp(m - max
-        m), divided by the weighted mass; partials read through L2 (.cg: other SMs wrote them)."""
+    def _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, SPLITS: gl.constexpr, ROUND: gl.constexpr):
+        """attention_combine._combine_kernel's merge for the GROUP query heads from q_row0, online over rounds of
+        ROUND splits: a round's partials load in one go (4 KB a split, ROUND x 32 floats a lane in flight; one
+        load per split kept the warp waiting for L2 once per split: 8 splits merged cost more than
+        the combine launch), then weights exp(m - running max) rescale what came before. Partials read through
+        L2 (.cg: other SMs wrote them)."""
         D: gl.constexpr = 128
         N: gl.constexpr = 8
-        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])   # [heads, D], 4 contiguous d a lane
-        hl: gl.constexpr = gl.SliceLayout(1, lay)
-        heads = gl.arange(0, N, hl)
-        d = gl.arange(0, D, gl.SliceLayout(0, lay))
-        h_ok = heads < GROUP
-        rows = (q_row0 + heads).to(gl.int64) * SPLITS
-        m_all = gl.full([N], -float("inf"), gl.float32, hl)
-        for s in gl.static_range(SPLITS):
-            m_all = gl.maximum(m_all, gl.load(ml_ptr + (rows + s) * 2, mask=h_ok, other=-float("inf"),
-                                              cache_modifier=".cg"))
+        R: gl.constexpr = SPLITS if SPLITS < ROUND else ROUND
+        lay: gl.constexpr = gl.BlockedLayout([R, 1, 4], [1, 1, 32], [1, 1, 1], [2, 1, 0])   # [split, head, d]
+        sh: gl.constexpr = gl.SliceLayout(2, lay)                                        # [split, head]
+        hl: gl.constexpr = gl.SliceLayout(0, sh)                                         # [head]
+        out_l: gl.constexpr = gl.SliceLayout(0, lay)                                     # [head, d]
+        heads = gl.arange(0, N, gl.SliceLayout(0, sh))
+        splits = gl.arange(0, R, gl.SliceLayout(1, sh))
+        d = gl.arange(0, D, gl.SliceLayout(0, out_l))
+        h_ok = gl.expand_dims(heads < GROUP, 0) & gl.expand_dims(splits >= 0, 1)          # [R, N]
+        base = gl.expand_dims((q_row0 + heads).to(gl.int64) * SPLITS, 0) + gl.expand_dims(splits, 1)   # [R, N] rows
+        m_run = gl.full([N], -float("inf"), gl.float32, hl)
         denom = gl.zeros([N], gl.float32, hl)
-        out = gl.zeros([N, D], gl.float32, lay)
-        for s in gl.static_range(SPLITS):
-            m = gl.load(ml_ptr + (rows + s) * 2, mask=h_ok, other=-float("inf"), cache_modifier=".cg")
-            l = gl.load(ml_ptr + (rows + s) * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
-            w = gl.where(m > -float("inf"), gl.exp(m - m_all), 0.0)
-            denom += w * l
-            a = gl.load(acc_ptr + gl.expand_dims((rows + s) * D, 1) + gl.expand_dims(d, 0),
-                        mask=gl.expand_dims(h_ok, 1), other=0.0, cache_modifier=".cg")
-            out += a * gl.expand_dims(w, 1)
-        out = out / gl.expand_dims(denom, 1)
-        gl.store(o_ptr + gl.expand_dims((q_row0 + heads).to(gl.int64) * D, 1) + gl.expand_dims(d, 0),
-                 out.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(h_ok, 1))
+        out = gl.zeros([N, D], gl.float32, out_l)
+        for r0 in range(0, SPLITS, R):        # not unrolled: ptxas would hoist every round's loads (spills)
+            rows = base + r0
+            m = gl.load(ml_ptr + rows * 2, mask=h_ok, other=-float("inf"), cache_modifier=".cg")
+            l = gl.load(ml_ptr + rows * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
+            a = gl.load(acc_ptr + gl.expand_dims(rows * D, 2) + gl.expand_dims(gl.expand_dims(d, 0), 0),
+                        mask=gl.expand_dims(h_ok, 2), other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(m_run, gl.max(m, 0))
+            m_ref = gl.where(m_new > -float("inf"), m_new, 0.0)       # no split with positions yet: weights 0
+            scale = gl.exp(m_run - m_ref)
+            w = gl.exp(m - gl.expand_dims(m_ref, 0))                  # [R, N]; splits without positions: 0
+            denom = denom * scale + gl.sum(w * l, 0)
+            out = (out * gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(1, out_l)), 1)
+                   + gl.sum(a * gl.expand_dims(w, 2), 0))
+            m_run = m_new
+        out = out / gl.expand_dims(gl.convert_layout(denom, gl.SliceLayout(1, out_l)), 1)
+        hh = gl.arange(0, N, gl.SliceLayout(1, out_l))
+        gl.store(o_ptr + gl.expand_dims((q_row0 + hh).to(gl.int64) * D, 1) + gl.expand_dims(d, 0),
+                 out.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(hh < GROUP, 1))
 
     @gluon.jit(do_not_specialize=["HQ", "HKV", "L", "GROUP", "NUM_SPLITS"])
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
                              ml_ptr, o_ptr, cnt_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
                              PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr,
-                             FP8: gl.constexpr):
+                             MERGE_ROUND: gl.constexpr, FP8: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits, or (MERGE_SPLITS =
         NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits). FP8: E4M3 codes
@@ -487,11 +501,11 @@ if HAVE_GLUON:
         gl.store(ml_ptr + out_row * 2, m_i * 0.6931471805599453, mask=h_mask)   # natural-log units
         gl.store(ml_ptr + out_row * 2 + 1, l_i, mask=h_mask)
         if MERGE_SPLITS == 1:
-            _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, MERGE_SPLITS)
+            _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, MERGE_SPLITS, MERGE_ROUND)
         elif MERGE_SPLITS > 1:
             if _count_finished(cnt_ptr + b * HKV + hk) == MERGE_SPLITS - 1:     # the last split of this row
                 gl.store(cnt_ptr + b * HKV + hk, 0)                               # ready for the next call
-                _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, MERGE_SPLITS)
+                _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, MERGE_SPLITS, MERGE_ROUND)
 
 
 # Fused merge (the last split's program merges, no combine launch) up to this many splits: one warp reads them
@@ -531,7 +545,7 @@ def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.
                 ml_ptr=ml, o_ptr=out if merge else q, cnt_ptr=counters if merge and splits > 1 else lens,
                 HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=splits, qk_scale=sm_scale * LOG2E,
                 TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0,
-                FP8=fp8)
+                MERGE_ROUND=MERGE_ROUND, FP8=fp8)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,

@@ -31,7 +31,7 @@ PIPES = [("ldg", r"^LDG"), ("ldgsts", r"^LDGSTS"), ("lds", r"^LDS(?!M)"), ("ldsm
 
 
 def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stages: int, decode: str = "word",
-                   d: int = 128, kernel: str = "_packed_decode_kernel"):
+                   d: int = 128, kernel: str = "_packed_decode_kernel", splits: int = 2):
     """triton.compile of the kernel for one (format, GQA group) with the launch's constexprs, target sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -41,7 +41,7 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     import megatron_qrl.kernels.kv_decode_attention as m
     import megatron_qrl.kernels.kv_decode_gluon as g
     from megatron_qrl.kernels.kv_layout import PackedKV
-    hkv, slots, length, splits = 2, 2, 256, 2
+    hkv, slots, length = 2, 2, 256
     q = torch.zeros((slots, hkv * group, d), dtype=torch.bfloat16)
     keys, values = (PackedKV.zeros(fmt, slots, hkv, length, d, "cpu") for _ in range(2))
     idx = torch.zeros(slots, dtype=torch.long)
@@ -131,10 +131,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="_packed_decode_kernel")
     ap.add_argument("--decode", default="word", help="NVFP4 code decode (kv_decode_attention.DECODERS; "
                     "for --kernel gluon: 'noprefetch' turns its prefetch off)")
+    ap.add_argument("--splits", type=int, default=2, help="splits per (row, KV head); the Gluon kernel merges "
+                    "them in the kernel (its epilogue is compiled for this count)")
     ap.add_argument("--dump", default="", help="write ttgir, ptx and sass here")
     a = ap.parse_args(argv)
     for fmt in a.fmt.split(","):
-        k = compile_kernel(fmt, a.group, a.block_s, a.warps, a.stages, a.decode, kernel=a.kernel)
+        k = compile_kernel(fmt, a.group, a.block_s, a.warps, a.stages, a.decode, kernel=a.kernel, splits=a.splits)
         sass = cuobjdump(k, "--dump-sass")
         loop = hottest_loop(sass)
         spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
