@@ -57,12 +57,14 @@ PROGRAMS_PER_SM = 4   # one-warp programs: split target for kv_decode_attention.
 MIN_TILES = 16        # ... but a split keeps at least this many TILE steps
 SMALL_GRID_MIN_TILES = 4  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
 LOG2E = math.log2(math.e)
-# FP8 takes this kernel by default from this many (row, KV head) pairs (H100, 2026-12-06: 1.05-1.09x the Triton
-# kernel from 128 pairs, even at 64, 0.9x at batch 1: docs/PERF.md); kernel="gluon" forces it
-FP8_MIN_PAIRS = 128
-# The in-kernel merge loads this many splits' partials at a time (32 floats a lane each: 4 takes the kernel from
-# 156 to 186 registers, 2 to 168)
-MERGE_ROUND = 2
+# FP8 takes this kernel by default from this many (row, KV head) pairs (docs/PERF.md: at 64 pairs, 32/4 heads x
+# batch 16, 1.12x the Triton kernel on an H200 and 1.02x on an H100; 0.9x at 4 pairs on both); kernel="gluon"
+# forces it
+FP8_MIN_PAIRS = 64
+# The in-kernel merge loads this many splits' partials at a time, 32 floats a lane each (H200, 4 splits: 47.2 us
+# against 50.4 at 2 and 50.7 with the combine launch; with 4 or more splits the kernel takes 186 registers, not
+# 156, where the grid is small anyway)
+MERGE_ROUND = 4
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{
@@ -508,8 +510,10 @@ if HAVE_GLUON:
                 _merge_splits(acc_ptr, ml_ptr, o_ptr, q_row0, GROUP, MERGE_SPLITS, MERGE_ROUND)
 
 
-# Fused merge (the last split's program merges, no combine launch) up to this many splits: one warp reads them
-# all, 4 KB each; more splits (batch 1 at long context) keep attention_combine's parallel merge.
+# Fused merge (the last split's program merges, no combine launch) up to this many splits: one warp reads them,
+# 4 KB each, ~1,000 instructions a round; from 8 splits the combine launch is faster (H200, 32/4 heads, batch 16,
+# 8 splits: 35.2 us merged against 30.0; batch 1, 64 splits: 55.8 against 13.3), so batch 1 at long context
+# keeps attention_combine's parallel merge.
 MERGE_MAX_SPLITS = 4
 _COUNTERS: dict = {}          # device -> int32 split counters, zero between calls (the merging program resets)
 _OLD_COUNTERS: list = []      # outgrown buffers stay alive: a captured graph may still point at one
