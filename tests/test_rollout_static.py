@@ -34,13 +34,27 @@ def _raw(t):
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
-def assert_same(a, b, logp_atol=1e-5, trace=True, min_byte_agreement=0.99, scale_rtol=1e-5, routed_sets=False):
-    """Same tokens, finish reasons and routed experts; log-probs within logp_atol; TRACE captures aligned
+# Kernel path vs eager engine under W4A16: both round the experts' float32 input to bf16 for the kernels; their
+# float32 values differ by round-off (another summation order), and where one sits on a bf16 rounding tie the
+# inputs differ by one bf16 ulp: that token's log-prob moves by up to ~5e-4 in the tiny models (4.3e-4 on an AMD
+# EPYC host for the packed-KV test's prompts), on a token that depends on the host. Such tests bound every log-prob
+# by BF16_FLIP_LOGP and their median by float32 round-off: a flip is rare and isolated, a kernel error moves every
+# decode token (V row scales 0.1% off: median 6.6e-4 to 2.8e-3, max only 1.4e-3).
+BF16_FLIP_LOGP = 2e-3
+ROUNDOFF_LOGP = 5e-6
+
+
+def assert_same(a, b, logp_atol=1e-5, trace=True, min_byte_agreement=0.99, scale_rtol=1e-5, routed_sets=False,
+                logp_median_atol=None):
+    """Same tokens, finish reasons and routed experts; log-probs within logp_atol (and, with logp_median_atol,
+    their median over all samples within it: BF16_FLIP_LOGP says why); TRACE captures aligned
     row for row (prefill rows identical, decode rows agreeing in at least min_byte_agreement of the bytes:
     float32 round-off between two implementations can move a value across an FP4 rounding boundary).
     routed_sets: compare each token's experts as a set (the routing kernel orders a token's slots by
     descending score, torch.topk(sorted=False) in an unspecified order; R3 replays the set)."""
     assert len(a) == len(b)
+    if logp_median_atol is not None:
+        assert float(torch.cat([(x.logprobs - y.logprobs).abs() for x, y in zip(a, b)]).median()) <= logp_median_atol
     for x, y in zip(a, b):
         assert x.tokens == y.tokens and x.finish_reason == y.finish_reason
         assert float((x.logprobs - y.logprobs).abs().max()) <= logp_atol
@@ -171,8 +185,10 @@ def test_kernel_path_equals_eager_kernel_engine(source_model, kw):
     a, b = eager.generate(ps, sp), static.generate(ps, sp)
     w4a4 = kw["scheme"] == "w4a4"
     # W4A4: a 1-ulp change of a layer's input (the attention kernel's float32 order) changes some FP4 codes,
-    # and a changed code is a large step, so later layers differ by more than round-off (what TRACE is for)
-    assert_same(a, b, logp_atol=5e-2 if w4a4 else 5e-6, min_byte_agreement=0, scale_rtol=None, routed_sets=True)
+    # and a changed code is a large step, so later layers differ by more than round-off (what TRACE is for);
+    # W4A16: BF16_FLIP_LOGP
+    assert_same(a, b, logp_atol=5e-2 if w4a4 else BF16_FLIP_LOGP, min_byte_agreement=0, scale_rtol=None,
+                routed_sets=True, logp_median_atol=None if w4a4 else ROUNDOFF_LOGP)
     assert sorted(b[0].trace) == ([0, 1] if w4a4 else [])
 
 
