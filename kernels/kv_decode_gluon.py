@@ -65,6 +65,10 @@ FP8_MIN_PAIRS = 64
 # against 50.4 at 2 and 50.7 with the combine launch; with 4 or more splits the kernel takes 186 registers, not
 # 156, where the grid is small anyway)
 MERGE_ROUND = 4
+# The ring's copies skip rows past the split's end (zero-filled) instead of rereading its last row: no bytes for
+# the look-ahead trips past the end. Compiled (978 loop instructions per trip, not 983; 168 registers, not 157),
+# correct on the CPU only by construction: off until a GPU run times it (tools/bench_attention.py ring_masks=1)
+RING_MASKS = False
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{
@@ -226,9 +230,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS: gl.constexpr):
-        """Addresses of one trip's K / V code words (positions s0 .. s0 + TILE). Rows past the split reread its
-        last row (no masks: the loads stay 16- and 8-byte vectors; the caller masks the scores), so a prefetch
-        past the end is harmless."""
+        """Addresses of one trip's K / V code words (positions s0 .. s0 + TILE) for the register loads (PREFETCH 0
+        / 1). Rows past the split reread its last row (no masks; the caller masks the scores), so a prefetch past
+        the end is harmless."""
         last = s_end - 1
         rk = stream + gl.minimum(s0 + k_rows, last)
         rv = stream + gl.minimum(s0 + v_rows, last)
@@ -247,22 +251,58 @@ if HAVE_GLUON:
                 gl.load(kr_ptr + rc), gl.load(vr_ptr + rc))
 
     @gluon.jit
+    def _copy_words(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, kw_s, vw_s,
+                    ROW_WORDS: gl.constexpr, MASKED: gl.constexpr):
+        """The ring's copy of one trip's K / V code words (positions s0 .. s0 + TILE) into slots kw_s / vw_s.
+        Unmasked (the default), rows past the split reread its last row (_word_ptrs), so the look-ahead copies
+        past the end of every split still move bytes (a quarter of an 8-trip split's) and the program drains
+        them at exit. MASKED (RING_MASKS; compiled, not yet timed on a GPU): rows at or past s_end are not read
+        (cp.async zero-fills them: code 0 decodes to 0, the caller masks the scores), so a trip wholly past the
+        end moves no bytes."""
+        if MASKED:
+            lim = s_end - s0                    # rows of this trip that exist: per-row compares with one scalar
+            k_ok = gl.expand_dims(gl.expand_dims(k_rows < lim, 1), 2)
+            v_ok = gl.expand_dims(gl.expand_dims(v_rows < lim, 1), 2)
+            row0 = (stream + s0) * ROW_WORDS      # the trip's first word: one scalar, loop-invariant offsets after it
+            async_copy.async_copy_global_to_shared(
+                kw_s, (kw_ptr + row0) + (gl.expand_dims(gl.expand_dims(k_rows * ROW_WORDS, 1), 2) + k_grw), mask=k_ok)
+            async_copy.async_copy_global_to_shared(
+                vw_s, (vw_ptr + row0) + (gl.expand_dims(gl.expand_dims(v_rows * ROW_WORDS, 1), 2) + v_hgw), mask=v_ok)
+        else:
+            kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
+            async_copy.async_copy_global_to_shared(kw_s, kwp)
+            async_copy.async_copy_global_to_shared(vw_s, vwp)
+
+    @gluon.jit
     def _copy_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s, vs_s, kr_s, vr_s, TILE: gl.constexpr,
-                     PAIRS: gl.constexpr):
+                     PAIRS: gl.constexpr, MASKED: gl.constexpr):
         """PREFETCH 3: one trip's scale pairs (NVFP4: PAIRS) and row scales into ring slots by cp.async, a row per
-        lane (8 bytes of K pairs, 8 of V pairs, 4 + 4 of row scales; rows clamped like _word_ptrs). Other lanes
+        lane (8 bytes of K pairs, 8 of V pairs, 4 + 4 of row scales; rows past the split clamped like _word_ptrs,
+        or MASKED as in _copy_words: zero-filled, and a zero row scale zeroes the row's probability). Other lanes
         read them back: the ring's wait is followed by a barrier (one warp: cheap)."""
         pair_cp: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
         row_cp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        if PAIRS:
-            rows = gl.arange(0, TILE, gl.SliceLayout(1, pair_cp))
-            r = stream + gl.minimum(s0 + rows, s_end - 1)
-            off = gl.expand_dims(r * 4, 1) + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, pair_cp)), 0)
-            async_copy.async_copy_global_to_shared(ks_s, ks16 + off)
-            async_copy.async_copy_global_to_shared(vs_s, vs16 + off)
-        rr = stream + gl.minimum(s0 + gl.arange(0, TILE, row_cp), s_end - 1)
-        async_copy.async_copy_global_to_shared(kr_s, kr_ptr + rr)
-        async_copy.async_copy_global_to_shared(vr_s, vr_ptr + rr)
+        if MASKED:
+            lim = s_end - s0
+            if PAIRS:
+                rows = gl.arange(0, TILE, gl.SliceLayout(1, pair_cp))
+                off = gl.expand_dims(rows * 4, 1) + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, pair_cp)), 0)
+                ok = gl.expand_dims(rows < lim, 1)
+                async_copy.async_copy_global_to_shared(ks_s, (ks16 + (stream + s0) * 4) + off, mask=ok)
+                async_copy.async_copy_global_to_shared(vs_s, (vs16 + (stream + s0) * 4) + off, mask=ok)
+            rr = gl.arange(0, TILE, row_cp)
+            async_copy.async_copy_global_to_shared(kr_s, (kr_ptr + (stream + s0)) + rr, mask=rr < lim)
+            async_copy.async_copy_global_to_shared(vr_s, (vr_ptr + (stream + s0)) + rr, mask=rr < lim)
+        else:
+            if PAIRS:
+                rows = gl.arange(0, TILE, gl.SliceLayout(1, pair_cp))
+                r = stream + gl.minimum(s0 + rows, s_end - 1)
+                off = gl.expand_dims(r * 4, 1) + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, pair_cp)), 0)
+                async_copy.async_copy_global_to_shared(ks_s, ks16 + off)
+                async_copy.async_copy_global_to_shared(vs_s, vs16 + off)
+            rr = stream + gl.minimum(s0 + gl.arange(0, TILE, row_cp), s_end - 1)
+            async_copy.async_copy_global_to_shared(kr_s, kr_ptr + rr)
+            async_copy.async_copy_global_to_shared(vr_s, vr_ptr + rr)
 
     @gluon.jit
     def _count_finished(cnt_ptr):
@@ -320,7 +360,7 @@ if HAVE_GLUON:
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
                              ml_ptr, o_ptr, cnt_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
                              PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr,
-                             MERGE_ROUND: gl.constexpr, FP8: gl.constexpr):
+                             MERGE_ROUND: gl.constexpr, FP8: gl.constexpr, RING_MASKS: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits, or (MERGE_SPLITS =
         NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits). FP8: E4M3 codes
@@ -386,13 +426,12 @@ if HAVE_GLUON:
                 kr_s = gl.allocate_shared_memory(gl.float32, [STAGES, TILE], rows_ring)
                 vr_s = gl.allocate_shared_memory(gl.float32, [STAGES, TILE], rows_ring)
             for st in gl.static_range(STAGES - 1):
-                kwp, vwp = _word_ptrs(s_begin + st * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows,
-                                      v_hgw, ROW_WORDS)
-                async_copy.async_copy_global_to_shared(kw_s.index(st), kwp)
-                async_copy.async_copy_global_to_shared(vw_s.index(st), vwp)
+                _copy_words(s_begin + st * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
+                            kw_s.index(st), vw_s.index(st), ROW_WORDS, RING_MASKS)
                 if RING_SCALES:
                     _copy_scales(s_begin + st * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s.index(st),
-                                 vs_s.index(st), kr_s.index(st), vr_s.index(st), TILE, not FP8)
+                                 vs_s.index(st), kr_s.index(st), vr_s.index(st), TILE, not FP8,
+                                 RING_MASKS)
                 async_copy.commit_group()
         # Q^T [128 (logical k), 8 heads] in the B fragment layout, gathered in q_order, scaled per head (after the
         # ring's first copies are issued: its latency overlaps theirs)
@@ -427,14 +466,12 @@ if HAVE_GLUON:
             if PREFETCH >= 2:
                 i = (s0 - s_begin) // TILE
                 ahead = (i + STAGES - 1) % STAGES
-                kwp, vwp = _word_ptrs(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw,
-                                      v_rows, v_hgw, ROW_WORDS)
-                async_copy.async_copy_global_to_shared(kw_s.index(ahead), kwp)
-                async_copy.async_copy_global_to_shared(vw_s.index(ahead), vwp)
+                _copy_words(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
+                            kw_s.index(ahead), vw_s.index(ahead), ROW_WORDS, RING_MASKS)
                 if RING_SCALES:
                     _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr,
                                  ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE,
-                                 not FP8)
+                                 not FP8, RING_MASKS)
                 async_copy.commit_group()
                 async_copy.wait_group(STAGES - 1)
                 if RING_SCALES:
@@ -549,7 +586,7 @@ def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.
                 ml_ptr=ml, o_ptr=out if merge else q, cnt_ptr=counters if merge and splits > 1 else lens,
                 HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=splits, qk_scale=sm_scale * LOG2E,
                 TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0,
-                MERGE_ROUND=MERGE_ROUND, FP8=fp8)
+                MERGE_ROUND=MERGE_ROUND, FP8=fp8, RING_MASKS=RING_MASKS)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,

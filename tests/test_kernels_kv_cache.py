@@ -140,6 +140,29 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
         assert err < tol, (cfg, err)
 
 
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on a GPU only")
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_gluon_ring_masks_skip_rows_past_the_split_and_match_the_reference(fmt, monkeypatch):
+    """kv_decode_gluon.RING_MASKS: the ring's copies zero-fill rows past a split's end instead of rereading its last
+    row; with stale positions poisoned, lengths that end mid-trip and splits shorter than the ring's look-ahead,
+    the output still equals the reference (a zero-filled row must add nothing, not NaN)."""
+    from megatron_qrl.kernels import kv_decode_gluon as kg
+    monkeypatch.setattr(kg, "RING_MASKS", True)
+    g = _gen(7)
+    k, v = _filled_caches(fmt, 4, g)
+    lens_list = LENS_GPU
+    slots = torch.tensor([4, 0, 2, 3, 1, 2, 0, 3][:len(lens_list)], device=DEVICE)
+    lens = torch.tensor(lens_list, device=DEVICE)
+    _poison_past((k, v), slots, lens)
+    q = (torch.randn(len(lens_list), 32, HEAD_DIM, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    ref = packed_decode_attention_reference(q, k, v, slots, lens, 0.11, torch.float64)
+    for cfg in (dict(), dict(num_splits=1), dict(num_splits=4), dict(num_splits=64), dict(fused_merge=False)):
+        out = torch.full_like(q, float("nan"))
+        packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, kernel="gluon", **cfg)
+        assert torch.isfinite(out).all(), cfg
+        assert float((out.double() - ref).norm() / ref.norm()) < 5e-3, cfg
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_gluon_orders_are_permutations_that_q_k_v_and_the_store_agree_on(fmt):
     """kv_decode_gluon's logical head_dim orders (the MMA fragments' K of the scores, the rows of O^T): each is a

@@ -63,24 +63,30 @@ def sweep(fmt: str, mode: str) -> list[dict]:
     return out
 
 
-def with_merge_round(cfg: dict, fn):
-    """fn() with kv_decode_gluon.MERGE_ROUND set from cfg["merge_round"] (the in-kernel merge's splits per load
-    round, a constexpr of the kernel; the timed graphs capture the launch, so it holds for their replays)."""
-    if "merge_round" not in cfg:
-        return fn()
+MODULE_KNOBS = {"merge_round": "MERGE_ROUND", "ring_masks": "RING_MASKS"}   # config key -> kv_decode_gluon name
+
+
+def with_module_knobs(cfg: dict, fn):
+    """fn() with kv_decode_gluon's module-level knobs set from cfg (MODULE_KNOBS: constexprs of the kernel that
+    packed_decode_attention does not take; the timed graphs capture the launch, so they hold for the replays)."""
     from megatron_qrl.kernels import kv_decode_gluon as kg
-    old, kg.MERGE_ROUND = kg.MERGE_ROUND, cfg["merge_round"]
+    old = {name: getattr(kg, name) for key, name in MODULE_KNOBS.items() if key in cfg}
     try:
+        for key, name in MODULE_KNOBS.items():
+            if key in cfg:
+                setattr(kg, name, type(old[name])(cfg[key]))
         return fn()
     finally:
-        kg.MERGE_ROUND = old
+        for name, value in old.items():
+            setattr(kg, name, value)
 
 
 def config_name(cfg: dict) -> str:
     if not cfg:
         return "default"
     short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
-             "decode": "", "kernel": "", "prefetch": "pf", "fused_merge": "fm", "merge_round": "mr"}
+             "decode": "", "kernel": "", "prefetch": "pf", "fused_merge": "fm", "merge_round": "mr",
+             "ring_masks": "rm"}
     return "/".join(f"{short[k]}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 
@@ -181,8 +187,8 @@ def bench_case(args, bsz, s, hq, hkv, l2_bytes, gen, log) -> dict:
         listed = args.fp8_configs if bench == "fp8" else args.configs_json
         for cfg in (listed if listed is not None else sweep(bench, mode)):
             def call(kv, cfg=cfg):
-                return with_merge_round(cfg, lambda: packed_decode_attention(
-                    q, kv[0], kv[1], slots, lens, scale, **{k: v for k, v in cfg.items() if k != "merge_round"}))
+                return with_module_knobs(cfg, lambda: packed_decode_attention(
+                    q, kv[0], kv[1], slots, lens, scale, **{k: v for k, v in cfg.items() if k not in MODULE_KNOBS}))
             e = bk.safe(log, f"{bench} {config_name(cfg)}", lambda: bk.rel_err(call(kvs[0]), ref), float("inf"))
             timed(bench, lambda i, call=call: (lambda: call(kvs[i])), e, cfg)
         kvs = None
@@ -274,8 +280,8 @@ def main(argv=None) -> int:
                     "the default config (0: no limit)")
     ap.add_argument("--nvfp4-configs", type=parse_configs, default=None, dest="configs_json",
                     help="NVFP4 tunable sets instead of --configs' sweep, ':'-separated, e.g. "
-                    "default:prefetch=3:prefetch=3,min_blocks=2 (no shell quoting needed; merge_round=N sets "
-                    "kv_decode_gluon.MERGE_ROUND)")
+                    "default:prefetch=3:prefetch=3,min_blocks=2 (no shell quoting needed; merge_round=N / "
+                    "ring_masks=0|1 set kv_decode_gluon.MERGE_ROUND / RING_MASKS)")
     ap.add_argument("--fp8-configs", type=parse_configs, default=None, help="the same for FP8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="no timing: one call of each config between "

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_gluon_sm90 import cuobjdump, regs_of  # noqa: E402
 
 MAXNREG = int(os.environ.get("MAXNREG", "0"))   # cap the registers (ptxas), as a launch would with maxnreg
+RING_MASKS = os.environ.get("RING_MASKS", "0") == "1"   # kv_decode_gluon.RING_MASKS for the Gluon kernel
 PIPES = [("ldg", r"^LDG"), ("ldgsts", r"^LDGSTS"), ("lds", r"^LDS(?!M)"), ("ldsm", r"^LDSM"), ("sts", r"^STS"),
          ("stg", r"^STG"), ("mma", r"^(HMMA|HGMMA|QGMMA|IMMA)"), ("mufu", r"^MUFU"),
          ("fp32", r"^(FADD|FMUL|FFMA|FMNMX|FSEL|FSETP|FCHK)"), ("fp16", r"^(HADD2|HMUL2|HFMA2|HMNMX2|HSET)"),
@@ -48,6 +49,7 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     acc = torch.zeros((slots, hkv * group, splits, d), dtype=torch.float32)
     ml = torch.zeros((slots, hkv * group, splits, 2), dtype=torch.float32)
     if kernel == "gluon":
+        g.RING_MASKS = RING_MASKS
         fn = g._gluon_decode_kernel
         kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s,
                                prefetch={"noprefetch": 0, "prefetch2": 2, "prefetch3": 3}.get(decode, 1),
