@@ -69,6 +69,10 @@ MERGE_ROUND = 4
 # the look-ahead trips past the end. Compiled (978 loop instructions per trip, not 983; 168 registers, not 157),
 # correct on the CPU only by construction: off until a GPU run times it (tools/bench_attention.py ring_masks=1)
 RING_MASKS = False
+# Scores one trip ahead (PREFETCH 3): the next trip's K decode and score MMA sit beside this trip's softmax, for
+# ptxas to interleave; the ring waits for the next trip one trip earlier (RING_STAGES 4 keeps two trips of
+# look-ahead). Compiled, off until a GPU run times it (tools/bench_attention.py score_ahead=1, ring_stages=4)
+SCORE_AHEAD = False
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{
@@ -305,6 +309,77 @@ if HAVE_GLUON:
             async_copy.async_copy_global_to_shared(vr_s, vr_ptr + rr)
 
     @gluon.jit
+    def _slot_k(kw_s, ks_s, kr_s, j, kl: gl.constexpr, rows_c: gl.constexpr, FP8: gl.constexpr):
+        """A trip's K words, scale pairs and row scales from ring slot j (PREFETCH 3; FP8 has no scale pairs: the
+        row scales stand in for them)."""
+        kw = kw_s.index(j).load(kl)
+        kr = kr_s.index(j).load(rows_c)
+        if FP8:
+            ks = kr
+        else:
+            ks = ks_s.index(j).load(gl.SliceLayout(2, kl))
+        return kw, ks, kr
+
+    @gluon.jit
+    def _slot_v(vw_s, vs_s, vr_s, j, vl: gl.constexpr, rows_c: gl.constexpr, TILE: gl.constexpr,
+                FP8: gl.constexpr):
+        """A trip's V words, scale pairs and row scales from ring slot j (PREFETCH 3). NVFP4's V scale pair of half
+        group hg is pair hg // 2: the words come back as [TILE, pair, 4], whose slice drops the lane bit of
+        hg % 2 (lanes that share a pair read the same bytes)."""
+        vw = vw_s.index(j).load(vl)
+        vr = vr_s.index(j).load(rows_c)
+        if FP8:
+            vs = vr
+        else:
+            vw = gl.reshape(vw, [TILE, 4, 4])
+            vs = vs_s.index(j).load(gl.SliceLayout(2, vw.type.layout))
+        return vw, vs, vr
+
+    @gluon.jit
+    def _trip_scores(kw, ks, kr, q_b, row_f, valid, mma: gl.constexpr, a_op: gl.constexpr, TILE: gl.constexpr,
+                     FP8: gl.constexpr):
+        """One trip's S^T [TILE, 8 heads] in log2 units (the exp2 softmax's), rows at or past the split's end at
+        -inf: the K words (and NVFP4 scale pairs ks) decoded straight into the score MMA's A fragment, times the
+        row scales kr and the per-head factor row_f."""
+        if FP8:
+            k = _decode_k_fp8(kw, TILE)
+        else:
+            k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
+            k = gl.reshape(k, [TILE, 128])
+        k = gl.convert_layout(k, a_op, assert_trivial=True)
+        s_t = mma_v2(k, q_b, gl.zeros([TILE, 8], gl.float32, mma))
+        s_t = s_t * gl.expand_dims(kr, 1) * gl.expand_dims(row_f, 0)
+        return gl.where(gl.expand_dims(valid, 1), s_t, -float("inf"))
+
+    @gluon.jit
+    def _trip_softmax_pv(s_t, valid, vw, vs, vr, m_i, l_i, acc, mma: gl.constexpr, a_op: gl.constexpr,
+                         b_op: gl.constexpr, TILE: gl.constexpr, FP8: gl.constexpr, SCALES_RING: gl.constexpr,
+                         CODE_F: gl.constexpr):
+        """The online softmax of one trip's scores and its P.V into acc: P scaled by the V row scales over their
+        trip maximum (fp16 range), the V words (and NVFP4 scale pairs vs, as [TILE, pair, 4] words when they came
+        through the ring) decoded into the output MMA's A fragment. Returns the new (m, l, acc)."""
+        vr = gl.where(valid, vr, 0.0)
+        m_new = gl.maximum(m_i, gl.max(s_t, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s_t - gl.expand_dims(m_new, 0))
+        l_i = l_i * alpha + gl.sum(p, 0)
+        v_top = gl.max(vr, 0)
+        v_top = gl.where(v_top > 0.0, v_top, 1.0)        # an unwritten tile (zeros) must not divide by 0
+        p = p * gl.expand_dims(vr * (1.0 / v_top), 1)
+        p_b = gl.convert_layout(p.to(gl.float16), b_op)
+        if FP8:
+            v = _decode_v_fp8(vw, TILE)
+        else:
+            v = _decode(vw, vs)
+            if SCALES_RING:
+                v = gl.reshape(v, [TILE, 8, 2, 2, 2, 2])
+            v = gl.reshape(gl.permute(v, [5, 2, 4, 3, 1, 0]), [128, TILE])    # [h, w, j1, j0, hg, T]
+        v = gl.convert_layout(v, a_op)
+        o = mma_v2(v, p_b, gl.zeros([128, 8], gl.float32, mma))
+        acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * CODE_F)
+        return m_new, l_i, acc
+
+    @gluon.jit
     def _count_finished(cnt_ptr):
         """How many programs of this (row, KV head) had counted before this one. Each lane fences its own partial
         stores, the warp joins, then one acq_rel atomic counts the program: the program that counts last sees
@@ -360,7 +435,8 @@ if HAVE_GLUON:
     def _gluon_decode_kernel(q_ptr, kc_ptr, ks_ptr, kr_ptr, vc_ptr, vs_ptr, vr_ptr, slots_ptr, lens_ptr, acc_ptr,
                              ml_ptr, o_ptr, cnt_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
                              PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr,
-                             MERGE_ROUND: gl.constexpr, FP8: gl.constexpr, RING_MASKS: gl.constexpr):
+                             MERGE_ROUND: gl.constexpr, FP8: gl.constexpr, RING_MASKS: gl.constexpr,
+                             SCORE_AHEAD: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits, or (MERGE_SPLITS =
         NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits). FP8: E4M3 codes
@@ -456,75 +532,70 @@ if HAVE_GLUON:
             kwp, vwp = _word_ptrs(s_begin, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
             kw = gl.load(kwp)
             vw = gl.load(vwp)
-        for s0 in range(s_begin, s_end, TILE):
-            if PREFETCH == 0:
-                kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
-                kw = gl.load(kwp)
-                vw = gl.load(vwp)
-                ks, vs, kr, vr = _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr, v_rows,
-                                              v_hg, c_rows)
-            if PREFETCH >= 2:
+        if SCORE_AHEAD:
+            # PREFETCH 3 with the scores one trip ahead: trip i + 1's K decode and score MMA do not depend on trip
+            # i's softmax, so ptxas can interleave them (otherwise a trip is one dependent chain: K decode ->
+            # score MMA -> softmax shuffles and exp2 -> P.V). The ring waits for trip i + 1, one trip earlier.
+            gl.static_assert(PREFETCH == 3, "SCORE_AHEAD needs PREFETCH 3 (codes and scales through the ring)")
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            kw, ks, kr = _slot_k(kw_s, ks_s, kr_s, 0, kl, rows_c, FP8)
+            s_t = _trip_scores(kw, ks, kr, q_b, row_f, s_begin + c_rows < s_end, mma, a_op, TILE, FP8)
+            for s0 in range(s_begin, s_end, TILE):
                 i = (s0 - s_begin) // TILE
-                ahead = (i + STAGES - 1) % STAGES
+                ahead = (i + STAGES - 1) % STAGES       # trip i - 1's slot: its K was read two trips ago, V last trip
                 _copy_words(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
                             kw_s.index(ahead), vw_s.index(ahead), ROW_WORDS, RING_MASKS)
-                if RING_SCALES:
-                    _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr,
-                                 ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE,
-                                 not FP8, RING_MASKS)
+                _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s.index(ahead),
+                             vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE, not FP8, RING_MASKS)
                 async_copy.commit_group()
-                async_copy.wait_group(STAGES - 1)
-                if RING_SCALES:
-                    gl.thread_barrier()     # the scale rows of this slot were copied by other lanes
-                kw = kw_s.index(i % STAGES).load(kl)
-                vw = vw_s.index(i % STAGES).load(vl)
-                if RING_SCALES and not FP8:
-                    # V's scale pair of half group hg is pair hg // 2: the words as [TILE, pair, 4], whose
-                    # slice drops the lane bit of hg % 2 (lanes that share a pair read the same bytes)
-                    vw = gl.reshape(vw, [TILE, 4, 4])
-                    ks = ks_s.index(i % STAGES).load(gl.SliceLayout(2, kl))
-                    vs = vs_s.index(i % STAGES).load(gl.SliceLayout(2, vw.type.layout))
-                if RING_SCALES:
-                    kr = kr_s.index(i % STAGES).load(rows_c)
-                    vr = vr_s.index(i % STAGES).load(rows_c)
-            valid = s0 + c_rows < s_end
-            vr = gl.where(valid, vr, 0.0)
-            if FP8:
-                k = _decode_k_fp8(kw, TILE)
-            else:
-                k = gl.permute(gl.reshape(_decode(kw, ks), [TILE, 4, 2, 2, 2, 2, 2]), [0, 6, 2, 3, 5, 1, 4])
-                k = gl.reshape(k, [TILE, D])
-            k = gl.convert_layout(k, a_op, assert_trivial=True)
-            s_t = mma_v2(k, q_b, gl.zeros([TILE, N], gl.float32, mma))
-            s_t = s_t * gl.expand_dims(kr, 1) * gl.expand_dims(row_f, 0)
-            s_t = gl.where(gl.expand_dims(valid, 1), s_t, -float("inf"))
-            m_new = gl.maximum(m_i, gl.max(s_t, 0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s_t - gl.expand_dims(m_new, 0))
-            l_i = l_i * alpha + gl.sum(p, 0)
-            v_top = gl.max(vr, 0)
-            v_top = gl.where(v_top > 0.0, v_top, 1.0)        # an unwritten tile (zeros) must not divide by 0
-            p = p * gl.expand_dims(vr * (1.0 / v_top), 1)
-            p_b = gl.convert_layout(p.to(gl.float16), b_op)
-
-            if FP8:
-                v = _decode_v_fp8(vw, TILE)
-            else:
-                v = _decode(vw, vs)
-                if RING_SCALES:
-                    v = gl.reshape(v, [TILE, 8, 2, 2, 2, 2])
-                v = gl.reshape(gl.permute(v, [5, 2, 4, 3, 1, 0]), [D, TILE])    # [h, w, j1, j0, hg, T]
-            v = gl.convert_layout(v, a_op)
-            o = mma_v2(v, p_b, gl.zeros([D, N], gl.float32, mma))
-            acc = acc * gl.expand_dims(alpha, 0) + o * (v_top * CODE_F)
-            m_i = m_new
-            if REG_SCALES:
-                ks, vs, kr, vr = _load_scales(s0 + TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
-                                              v_rows, v_hg, c_rows)
-            if PREFETCH == 1:
-                kwp, vwp = _word_ptrs(s0 + TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
-                kw = gl.load(kwp)
-                vw = gl.load(vwp)
+                async_copy.wait_group(STAGES - 2)       # trip i + 1 has landed
+                gl.thread_barrier()                     # (scale rows were copied by other lanes)
+                kw, ks, kr = _slot_k(kw_s, ks_s, kr_s, (i + 1) % STAGES, kl, rows_c, FP8)
+                s_next = _trip_scores(kw, ks, kr, q_b, row_f, s0 + TILE + c_rows < s_end, mma, a_op, TILE, FP8)
+                vw, vs, vr = _slot_v(vw_s, vs_s, vr_s, i % STAGES, vl, rows_c, TILE, FP8)
+                m_i, l_i, acc = _trip_softmax_pv(s_t, s0 + c_rows < s_end, vw, vs, vr, m_i, l_i, acc, mma, a_op,
+                                                 b_op, TILE, FP8, True, CODE_F)
+                s_t = s_next
+        else:
+            for s0 in range(s_begin, s_end, TILE):
+                if PREFETCH == 0:
+                    kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
+                                          ROW_WORDS)
+                    kw = gl.load(kwp)
+                    vw = gl.load(vwp)
+                    ks, vs, kr, vr = _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
+                                                  v_rows, v_hg, c_rows)
+                if PREFETCH >= 2:
+                    i = (s0 - s_begin) // TILE
+                    ahead = (i + STAGES - 1) % STAGES
+                    _copy_words(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
+                                kw_s.index(ahead), vw_s.index(ahead), ROW_WORDS, RING_MASKS)
+                    if RING_SCALES:
+                        _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr,
+                                     ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE,
+                                     not FP8, RING_MASKS)
+                    async_copy.commit_group()
+                    async_copy.wait_group(STAGES - 1)
+                    if RING_SCALES:
+                        gl.thread_barrier()     # the scale rows of this slot were copied by other lanes
+                        kw, ks, kr = _slot_k(kw_s, ks_s, kr_s, i % STAGES, kl, rows_c, FP8)
+                        vw, vs, vr = _slot_v(vw_s, vs_s, vr_s, i % STAGES, vl, rows_c, TILE, FP8)
+                    else:
+                        kw = kw_s.index(i % STAGES).load(kl)
+                        vw = vw_s.index(i % STAGES).load(vl)
+                valid = s0 + c_rows < s_end
+                s_t = _trip_scores(kw, ks, kr, q_b, row_f, valid, mma, a_op, TILE, FP8)
+                m_i, l_i, acc = _trip_softmax_pv(s_t, valid, vw, vs, vr, m_i, l_i, acc, mma, a_op, b_op, TILE, FP8,
+                                                 RING_SCALES, CODE_F)
+                if REG_SCALES:
+                    ks, vs, kr, vr = _load_scales(s0 + TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
+                                                  v_rows, v_hg, c_rows)
+                if PREFETCH == 1:
+                    kwp, vwp = _word_ptrs(s0 + TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
+                                          ROW_WORDS)
+                    kw = gl.load(kwp)
+                    vw = gl.load(vwp)
 
         heads = gl.arange(0, N, cols_c)
         out_row = (q_row0 + heads) * NUM_SPLITS + sp
@@ -586,7 +657,8 @@ def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.
                 ml_ptr=ml, o_ptr=out if merge else q, cnt_ptr=counters if merge and splits > 1 else lens,
                 HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=splits, qk_scale=sm_scale * LOG2E,
                 TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0,
-                MERGE_ROUND=MERGE_ROUND, FP8=fp8, RING_MASKS=RING_MASKS)
+                MERGE_ROUND=MERGE_ROUND, FP8=fp8, RING_MASKS=RING_MASKS,
+                SCORE_AHEAD=SCORE_AHEAD and int(prefetch) == 3)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,

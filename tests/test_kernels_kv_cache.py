@@ -163,6 +163,37 @@ def test_gluon_ring_masks_skip_rows_past_the_split_and_match_the_reference(fmt, 
         assert float((out.double() - ref).norm() / ref.norm()) < 5e-3, cfg
 
 
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on a GPU only")
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("stages,masks", [(3, False), (4, False), (4, True)])
+def test_gluon_scores_one_trip_ahead_equal_the_default_loop(fmt, stages, masks, monkeypatch):
+    """kv_decode_gluon.SCORE_AHEAD: the next trip's scores are computed beside this trip's softmax, and the ring
+    waits for the next trip one trip earlier. Same arithmetic per trip, so the output equals the default loop's to
+    fp32 rounding and the reference within the kernel's tolerance, at split counts whose splits end mid-trip, are
+    shorter than the ring's look-ahead, or hold no position at all."""
+    from megatron_qrl.kernels import kv_decode_gluon as kg
+    g = _gen(11)
+    k, v = _filled_caches(fmt, 4, g)
+    lens_list = LENS_GPU
+    slots = torch.tensor([4, 0, 2, 3, 1, 2, 0, 3][:len(lens_list)], device=DEVICE)
+    lens = torch.tensor(lens_list, device=DEVICE)
+    _poison_past((k, v), slots, lens)
+    q = (torch.randn(len(lens_list), 32, HEAD_DIM, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    ref = packed_decode_attention_reference(q, k, v, slots, lens, 0.11, torch.float64)
+    for cfg in (dict(), dict(num_splits=1), dict(num_splits=4), dict(num_splits=64), dict(fused_merge=False)):
+        base = torch.full_like(q, float("nan"))
+        packed_decode_attention(q, k, v, slots, lens, 0.11, out=base, kernel="gluon", **cfg)
+        with monkeypatch.context() as m:
+            m.setattr(kg, "SCORE_AHEAD", True)
+            m.setattr(kg, "RING_STAGES", stages)
+            m.setattr(kg, "RING_MASKS", masks)
+            out = torch.full_like(q, float("nan"))
+            packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, kernel="gluon", **cfg)
+        assert torch.isfinite(out).all(), cfg
+        torch.testing.assert_close(out.float(), base.float(), rtol=1e-5, atol=1e-5, msg=str(cfg))
+        assert float((out.double() - ref).norm() / ref.norm()) < 5e-3, cfg
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_gluon_orders_are_permutations_that_q_k_v_and_the_store_agree_on(fmt):
     """kv_decode_gluon's logical head_dim orders (the MMA fragments' K of the scores, the rows of O^T): each is a
