@@ -87,8 +87,8 @@ def config_name(cfg: dict) -> str:
         return "default"
     short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
              "decode": "", "kernel": "", "prefetch": "pf", "fused_merge": "fm", "merge_round": "mr",
-             "ring_masks": "rm"}
-    return "/".join(f"{short[k]}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
+             "ring_masks": "rm", "score_ahead": "sa", "ring_stages": "rs"}
+    return "/".join(f"{short.get(k, k)}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 
 def build_case(bsz: int, s: int, hq: int, hkv: int, d: int, gen: torch.Generator):
