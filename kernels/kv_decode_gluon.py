@@ -66,13 +66,14 @@ FP8_MIN_PAIRS = 64
 # 156, where the grid is small anyway)
 MERGE_ROUND = 4
 # The ring's copies skip rows past the split's end (zero-filled) instead of rereading its last row: no bytes for
-# the look-ahead trips past the end. Compiled (978 loop instructions per trip, not 983; 168 registers, not 157),
-# correct on the CPU only by construction: off until a GPU run times it (tools/bench_attention.py ring_masks=1)
-RING_MASKS = False
-# Scores one trip ahead (PREFETCH 3): the next trip's K decode and score MMA sit beside this trip's softmax, for
-# ptxas to interleave; the ring waits for the next trip one trip earlier (RING_STAGES 4 keeps two trips of
-# look-ahead). Compiled, off until a GPU run times it (tools/bench_attention.py score_ahead=1, ring_stages=4)
-SCORE_AHEAD = False
+# the look-ahead trips past the end. H100, 2026-12-07: 1.01-1.04x at all six shapes of tools/bench_attention.py
+# (NVFP4; 32/4 batch 16 x 4,096: 30.1 us against 30.8); 978 loop instructions per trip, not 983
+RING_MASKS = True
+# The split's partial O goes out as 16-byte stores (4 contiguous head_dim values x 8 heads a lane, one layout change
+# through shared memory) instead of 32 scattered 4-byte stores a lane: on an H100 (ncu source counters, 32/4 heads,
+# batch 16 x 4,096) those stores' LG throttle and the exit's drain behind them were ~14% of the warp's stall samples.
+# Off until a GPU run times it (tools/bench_attention.py vector_stores=1)
+VECTOR_STORES = False
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{
@@ -380,6 +381,18 @@ if HAVE_GLUON:
         return m_new, l_i, acc
 
     @gluon.jit
+    def _physical_rows(acc, FP8: gl.constexpr):
+        """O^T [128 logical rows, 8] -> [128 physical head_dim, 8]: o_order as a permutation of the row index's bits
+        (NVFP4: r = hg + 8 j0 + 16 j1 + 32 w + 64 h, d = 32 (hg >> 1) + 16 h + 8 (hg & 1) + 4 w + 2 j1 + j0; FP8:
+        r = g + 8 b + 32 j, d = 16 g + 4 j + b), a relabelling of registers and lanes, no data movement."""
+        a = gl.reshape(acc, [2, 2, 2, 2, 2, 2, 2, 8])       # row bits, most significant first
+        if FP8:
+            a = gl.permute(a, [4, 5, 6, 0, 1, 2, 3, 7])     # j1 j0 b1 b0 g2 g1 g0 -> g2 g1 g0 j1 j0 b1 b0
+        else:
+            a = gl.permute(a, [4, 5, 0, 6, 1, 2, 3, 7])     # h w j1 j0 hg2 hg1 hg0 -> hg2 hg1 h hg0 w j1 j0
+        return gl.reshape(a, [128, 8])
+
+    @gluon.jit
     def _count_finished(cnt_ptr):
         """How many programs of this (row, KV head) had counted before this one. Each lane fences its own partial
         stores, the warp joins, then one acq_rel atomic counts the program: the program that counts last sees
@@ -436,7 +449,7 @@ if HAVE_GLUON:
                              ml_ptr, o_ptr, cnt_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
                              PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr,
                              MERGE_ROUND: gl.constexpr, FP8: gl.constexpr, RING_MASKS: gl.constexpr,
-                             SCORE_AHEAD: gl.constexpr):
+                             VECTOR_STORES: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits, or (MERGE_SPLITS =
         NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits). FP8: E4M3 codes
@@ -532,70 +545,44 @@ if HAVE_GLUON:
             kwp, vwp = _word_ptrs(s_begin, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw, ROW_WORDS)
             kw = gl.load(kwp)
             vw = gl.load(vwp)
-        if SCORE_AHEAD:
-            # PREFETCH 3 with the scores one trip ahead: trip i + 1's K decode and score MMA do not depend on trip
-            # i's softmax, so ptxas can interleave them (otherwise a trip is one dependent chain: K decode ->
-            # score MMA -> softmax shuffles and exp2 -> P.V). The ring waits for trip i + 1, one trip earlier.
-            gl.static_assert(PREFETCH == 3, "SCORE_AHEAD needs PREFETCH 3 (codes and scales through the ring)")
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()
-            kw, ks, kr = _slot_k(kw_s, ks_s, kr_s, 0, kl, rows_c, FP8)
-            s_t = _trip_scores(kw, ks, kr, q_b, row_f, s_begin + c_rows < s_end, mma, a_op, TILE, FP8)
-            for s0 in range(s_begin, s_end, TILE):
+        for s0 in range(s_begin, s_end, TILE):
+            if PREFETCH == 0:
+                kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
+                                      ROW_WORDS)
+                kw = gl.load(kwp)
+                vw = gl.load(vwp)
+                ks, vs, kr, vr = _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
+                                              v_rows, v_hg, c_rows)
+            if PREFETCH >= 2:
                 i = (s0 - s_begin) // TILE
-                ahead = (i + STAGES - 1) % STAGES       # trip i - 1's slot: its K was read two trips ago, V last trip
+                ahead = (i + STAGES - 1) % STAGES
                 _copy_words(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
                             kw_s.index(ahead), vw_s.index(ahead), ROW_WORDS, RING_MASKS)
-                _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, ks_s.index(ahead),
-                             vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE, not FP8, RING_MASKS)
+                if RING_SCALES:
+                    _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr,
+                                 ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE,
+                                 not FP8, RING_MASKS)
                 async_copy.commit_group()
-                async_copy.wait_group(STAGES - 2)       # trip i + 1 has landed
-                gl.thread_barrier()                     # (scale rows were copied by other lanes)
-                kw, ks, kr = _slot_k(kw_s, ks_s, kr_s, (i + 1) % STAGES, kl, rows_c, FP8)
-                s_next = _trip_scores(kw, ks, kr, q_b, row_f, s0 + TILE + c_rows < s_end, mma, a_op, TILE, FP8)
-                vw, vs, vr = _slot_v(vw_s, vs_s, vr_s, i % STAGES, vl, rows_c, TILE, FP8)
-                m_i, l_i, acc = _trip_softmax_pv(s_t, s0 + c_rows < s_end, vw, vs, vr, m_i, l_i, acc, mma, a_op,
-                                                 b_op, TILE, FP8, True, CODE_F)
-                s_t = s_next
-        else:
-            for s0 in range(s_begin, s_end, TILE):
-                if PREFETCH == 0:
-                    kwp, vwp = _word_ptrs(s0, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
-                                          ROW_WORDS)
-                    kw = gl.load(kwp)
-                    vw = gl.load(vwp)
-                    ks, vs, kr, vr = _load_scales(s0, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
-                                                  v_rows, v_hg, c_rows)
-                if PREFETCH >= 2:
-                    i = (s0 - s_begin) // TILE
-                    ahead = (i + STAGES - 1) % STAGES
-                    _copy_words(s0 + (STAGES - 1) * TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
-                                kw_s.index(ahead), vw_s.index(ahead), ROW_WORDS, RING_MASKS)
-                    if RING_SCALES:
-                        _copy_scales(s0 + (STAGES - 1) * TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr,
-                                     ks_s.index(ahead), vs_s.index(ahead), kr_s.index(ahead), vr_s.index(ahead), TILE,
-                                     not FP8, RING_MASKS)
-                    async_copy.commit_group()
-                    async_copy.wait_group(STAGES - 1)
-                    if RING_SCALES:
-                        gl.thread_barrier()     # the scale rows of this slot were copied by other lanes
-                        kw, ks, kr = _slot_k(kw_s, ks_s, kr_s, i % STAGES, kl, rows_c, FP8)
-                        vw, vs, vr = _slot_v(vw_s, vs_s, vr_s, i % STAGES, vl, rows_c, TILE, FP8)
-                    else:
-                        kw = kw_s.index(i % STAGES).load(kl)
-                        vw = vw_s.index(i % STAGES).load(vl)
-                valid = s0 + c_rows < s_end
-                s_t = _trip_scores(kw, ks, kr, q_b, row_f, valid, mma, a_op, TILE, FP8)
-                m_i, l_i, acc = _trip_softmax_pv(s_t, valid, vw, vs, vr, m_i, l_i, acc, mma, a_op, b_op, TILE, FP8,
-                                                 RING_SCALES, CODE_F)
-                if REG_SCALES:
-                    ks, vs, kr, vr = _load_scales(s0 + TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
-                                                  v_rows, v_hg, c_rows)
-                if PREFETCH == 1:
-                    kwp, vwp = _word_ptrs(s0 + TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
-                                          ROW_WORDS)
-                    kw = gl.load(kwp)
-                    vw = gl.load(vwp)
+                async_copy.wait_group(STAGES - 1)
+                if RING_SCALES:
+                    gl.thread_barrier()     # the scale rows of this slot were copied by other lanes
+                    kw, ks, kr = _slot_k(kw_s, ks_s, kr_s, i % STAGES, kl, rows_c, FP8)
+                    vw, vs, vr = _slot_v(vw_s, vs_s, vr_s, i % STAGES, vl, rows_c, TILE, FP8)
+                else:
+                    kw = kw_s.index(i % STAGES).load(kl)
+                    vw = vw_s.index(i % STAGES).load(vl)
+            valid = s0 + c_rows < s_end
+            s_t = _trip_scores(kw, ks, kr, q_b, row_f, valid, mma, a_op, TILE, FP8)
+            m_i, l_i, acc = _trip_softmax_pv(s_t, valid, vw, vs, vr, m_i, l_i, acc, mma, a_op, b_op, TILE, FP8,
+                                             RING_SCALES, CODE_F)
+            if REG_SCALES:
+                ks, vs, kr, vr = _load_scales(s0 + TILE, s_end, stream, ks16, vs16, kr_ptr, vr_ptr, k_rows, k_gr,
+                                              v_rows, v_hg, c_rows)
+            if PREFETCH == 1:
+                kwp, vwp = _word_ptrs(s0 + TILE, s_end, stream, kw_ptr, vw_ptr, k_rows, k_grw, v_rows, v_hgw,
+                                      ROW_WORDS)
+                kw = gl.load(kwp)
+                vw = gl.load(vwp)
 
         heads = gl.arange(0, N, cols_c)
         out_row = (q_row0 + heads) * NUM_SPLITS + sp
@@ -606,8 +593,16 @@ if HAVE_GLUON:
             d_o = (32 * ((r & 7) >> 1) + 16 * (r >> 6) + 8 * (r & 1) + 4 * ((r >> 5) & 1) + 2 * ((r >> 4) & 1)
                    + ((r >> 3) & 1))
         h_mask = heads < GROUP
-        gl.store(acc_ptr + gl.expand_dims(out_row.to(gl.int64) * D, 0) + gl.expand_dims(d_o, 1), acc,
-                 mask=gl.expand_dims(h_mask, 0))
+        if VECTOR_STORES:
+            st_l: gl.constexpr = gl.BlockedLayout([4, N], [32, 1], [1, 1], [0, 1])   # 4 contiguous d x 8 heads a lane
+            acc_d = gl.convert_layout(_physical_rows(acc, FP8), st_l)
+            d_st = gl.arange(0, D, gl.SliceLayout(1, st_l))
+            h_st = gl.arange(0, N, gl.SliceLayout(0, st_l))
+            gl.store(acc_ptr + gl.expand_dims(((q_row0 + h_st) * NUM_SPLITS + sp).to(gl.int64) * D, 0)
+                     + gl.expand_dims(d_st, 1), acc_d, mask=gl.expand_dims(h_st < GROUP, 0))
+        else:
+            gl.store(acc_ptr + gl.expand_dims(out_row.to(gl.int64) * D, 0) + gl.expand_dims(d_o, 1), acc,
+                     mask=gl.expand_dims(h_mask, 0))
         gl.store(ml_ptr + out_row * 2, m_i * 0.6931471805599453, mask=h_mask)   # natural-log units
         gl.store(ml_ptr + out_row * 2 + 1, l_i, mask=h_mask)
         if MERGE_SPLITS == 1:
@@ -658,7 +653,7 @@ def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.
                 HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=splits, qk_scale=sm_scale * LOG2E,
                 TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0,
                 MERGE_ROUND=MERGE_ROUND, FP8=fp8, RING_MASKS=RING_MASKS,
-                SCORE_AHEAD=SCORE_AHEAD and int(prefetch) == 3)
+                VECTOR_STORES=VECTOR_STORES)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,

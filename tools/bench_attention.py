@@ -63,8 +63,8 @@ def sweep(fmt: str, mode: str) -> list[dict]:
     return out
 
 
-MODULE_KNOBS = {"merge_round": "MERGE_ROUND", "ring_masks": "RING_MASKS", "score_ahead": "SCORE_AHEAD",
-                "ring_stages": "RING_STAGES"}   # config key -> kv_decode_gluon name
+MODULE_KNOBS = {"merge_round": "MERGE_ROUND", "ring_masks": "RING_MASKS", "ring_stages": "RING_STAGES",
+                "vector_stores": "VECTOR_STORES"}   # config key -> kv_decode_gluon name
 
 
 def with_module_knobs(cfg: dict, fn):
@@ -87,7 +87,8 @@ def config_name(cfg: dict) -> str:
         return "default"
     short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
              "decode": "", "kernel": "", "prefetch": "pf", "fused_merge": "fm", "merge_round": "mr",
-             "ring_masks": "rm", "score_ahead": "sa", "ring_stages": "rs"}
+             "ring_masks": "rm", "ring_stages": "rs",
+             "vector_stores": "vs"}
     return "/".join(f"{short.get(k, k)}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 
@@ -282,8 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nvfp4-configs", type=parse_configs, default=None, dest="configs_json",
                     help="NVFP4 tunable sets instead of --configs' sweep, ':'-separated, e.g. "
                     "default:prefetch=3:prefetch=3,min_blocks=2 (no shell quoting needed; merge_round=N, "
-                    "ring_masks=0|1, score_ahead=0|1, ring_stages=N set kv_decode_gluon's MERGE_ROUND, RING_MASKS, "
-                    "SCORE_AHEAD, RING_STAGES)")
+                    "ring_masks=0|1, ring_stages=N, vector_stores=0|1 set kv_decode_gluon's MERGE_ROUND, RING_MASKS, "
+                    "RING_STAGES, VECTOR_STORES)")
     ap.add_argument("--fp8-configs", type=parse_configs, default=None, help="the same for FP8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="no timing: one call of each config between "

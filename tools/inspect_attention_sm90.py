@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_gluon_sm90 import cuobjdump, regs_of  # noqa: E402
 
 MAXNREG = int(os.environ.get("MAXNREG", "0"))   # cap the registers (ptxas), as a launch would with maxnreg
-RING_MASKS = os.environ.get("RING_MASKS", "0") == "1"   # kv_decode_gluon.RING_MASKS for the Gluon kernel
-SCORE_AHEAD = os.environ.get("SCORE_AHEAD", "0") == "1"   # kv_decode_gluon.SCORE_AHEAD
+RING_MASKS = os.environ.get("RING_MASKS", "1") == "1"   # kv_decode_gluon.RING_MASKS for the Gluon kernel
 RING_STAGES = int(os.environ.get("RING_STAGES", "0"))     # kv_decode_gluon.RING_STAGES (0: its default)
+VECTOR_STORES = os.environ.get("VECTOR_STORES", "0") == "1"   # kv_decode_gluon.VECTOR_STORES
 PIPES = [("ldg", r"^LDG"), ("ldgsts", r"^LDGSTS"), ("lds", r"^LDS(?!M)"), ("ldsm", r"^LDSM"), ("sts", r"^STS"),
          ("stg", r"^STG"), ("mma", r"^(HMMA|HGMMA|QGMMA|IMMA)"), ("mufu", r"^MUFU"),
          ("fp32", r"^(FADD|FMUL|FFMA|FMNMX|FSEL|FSETP|FCHK)"), ("fp16", r"^(HADD2|HMUL2|HFMA2|HMNMX2|HSET)"),
@@ -52,8 +52,8 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
     ml = torch.zeros((slots, hkv * group, splits, 2), dtype=torch.float32)
     if kernel == "gluon":
         g.RING_MASKS = RING_MASKS
-        g.SCORE_AHEAD = SCORE_AHEAD
         g.RING_STAGES = RING_STAGES or g.RING_STAGES
+        g.VECTOR_STORES = VECTOR_STORES
         fn = g._gluon_decode_kernel
         kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s,
                                prefetch={"noprefetch": 0, "prefetch2": 2, "prefetch3": 3}.get(decode, 1),
