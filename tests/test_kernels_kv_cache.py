@@ -140,27 +140,16 @@ def test_packed_attention_matches_reference(fmt, dtype, heads):
         assert err < tol, (cfg, err)
 
 
-@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on a GPU only")
-@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-def test_gluon_ring_masks_skip_rows_past_the_split_and_match_the_reference(fmt, monkeypatch):
-    """kv_decode_gluon.RING_MASKS: the ring's copies zero-fill rows past a split's end instead of rereading its last
-    row; with stale positions poisoned, lengths that end mid-trip and splits shorter than the ring's look-ahead,
-    the output still equals the reference (a zero-filled row must add nothing, not NaN)."""
-    from megatron_qrl.kernels import kv_decode_gluon as kg
-    monkeypatch.setattr(kg, "RING_MASKS", True)
-    g = _gen(7)
+def _poisoned_case(fmt: str, seed: int):
+    """Caches of 4 slots with every position past a row's length poisoned, the GPU lengths (ending mid-trip,
+    shorter than the ring's look-ahead), and the float64 reference."""
+    g = _gen(seed)
     k, v = _filled_caches(fmt, 4, g)
-    lens_list = LENS_GPU
-    slots = torch.tensor([4, 0, 2, 3, 1, 2, 0, 3][:len(lens_list)], device=DEVICE)
-    lens = torch.tensor(lens_list, device=DEVICE)
+    slots = torch.tensor([4, 0, 2, 3, 1, 2, 0, 3][:len(LENS_GPU)], device=DEVICE)
+    lens = torch.tensor(LENS_GPU, device=DEVICE)
     _poison_past((k, v), slots, lens)
-    q = (torch.randn(len(lens_list), 32, HEAD_DIM, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
-    ref = packed_decode_attention_reference(q, k, v, slots, lens, 0.11, torch.float64)
-    for cfg in (dict(), dict(num_splits=1), dict(num_splits=4), dict(num_splits=64), dict(fused_merge=False)):
-        out = torch.full_like(q, float("nan"))
-        packed_decode_attention(q, k, v, slots, lens, 0.11, out=out, kernel="gluon", **cfg)
-        assert torch.isfinite(out).all(), cfg
-        assert float((out.double() - ref).norm() / ref.norm()) < 5e-3, cfg
+    q = (torch.randn(len(LENS_GPU), 32, HEAD_DIM, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    return q, k, v, slots, lens, packed_decode_attention_reference(q, k, v, slots, lens, 0.11, torch.float64)
 
 
 KNOB_VARIANTS = [dict(VECTOR_STORES=True), dict(VECTOR_STORES=True, RING_MASKS=False), dict(RING_MASKS=False)]
@@ -174,16 +163,10 @@ def test_gluon_module_knobs_equal_the_default_kernel(fmt, knobs, monkeypatch):
     16-byte stores) and RING_MASKS off (the ring rereads a split's last row instead of zero-filling past it) equal
     the default kernel bit for bit and the reference within the kernel's tolerance, at split counts whose splits
     end mid-trip, are shorter than the ring's look-ahead, or hold no position at all, merged in the kernel or by
-    the combine launch."""
+    the combine launch. The default kernel has RING_MASKS on: the ring zero-fills rows past a split's end, which
+    must add nothing (not NaN) beside poisoned stale positions."""
     from megatron_qrl.kernels import kv_decode_gluon as kg
-    g = _gen(11)
-    k, v = _filled_caches(fmt, 4, g)
-    lens_list = LENS_GPU
-    slots = torch.tensor([4, 0, 2, 3, 1, 2, 0, 3][:len(lens_list)], device=DEVICE)
-    lens = torch.tensor(lens_list, device=DEVICE)
-    _poison_past((k, v), slots, lens)
-    q = (torch.randn(len(lens_list), 32, HEAD_DIM, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
-    ref = packed_decode_attention_reference(q, k, v, slots, lens, 0.11, torch.float64)
+    q, k, v, slots, lens, ref = _poisoned_case(fmt, 11)
     for cfg in (dict(), dict(num_splits=1), dict(num_splits=4), dict(num_splits=64), dict(fused_merge=False)):
         base = torch.full_like(q, float("nan"))
         packed_decode_attention(q, k, v, slots, lens, 0.11, out=base, kernel="gluon", **cfg)
