@@ -74,6 +74,11 @@ RING_MASKS = True
 # batch 16 x 4,096) those stores' LG throttle and the exit's drain behind them were ~14% of the warp's stall samples.
 # Off until a GPU run times it (tools/bench_attention.py vector_stores=1)
 VECTOR_STORES = False
+# Q^T comes in as four 16-byte loads a lane (head g's 32 contiguous values of group t, reordered into the score MMA's
+# B fragment by a reshape + permute that moves no data) instead of 32 two-byte gathers in q_order: on an H100 (ncu
+# source counters, as above) the q gather's wait was ~7% of the warp's stall samples. Off until a GPU run times it
+# (tools/bench_attention.py q_vector_loads=1)
+Q_VECTOR_LOADS = False
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{
@@ -224,6 +229,25 @@ if HAVE_GLUON:
         v = _joined_halves(d0, d1, d2, d3)                                # [T/2, g, j, pair, b0, b1]
         v = gl.permute(v, [2, 5, 4, 1, 0, 3])                             # [j, b1, b0, g, T/2, pair]
         return gl.reshape(v, [128, TILE]).to(gl.float16, bitcast=True)
+
+    @gluon.jit
+    def _q_operand(q_ptr, q_row0, GROUP, N: gl.constexpr, b_op: gl.constexpr):
+        """Q^T [128 (logical k), N heads] in the score MMA's B fragment layout, loaded as 16-byte vectors: lane
+        (g, t) holds head g's 32 contiguous values of group t (d = 32 t + e), which are exactly its B fragment
+        registers in q_order for both formats (k = 64 e4 + 32 e3 + 16 e2 + 8 e1 + 2 t + e0), so the reshape +
+        permute to logical k moves no data (the convert_layout asserts it)."""
+        ql: gl.constexpr = gl.DistributedLinearLayout([[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
+                                                      [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                                      [], [], [N, 4, 32])
+        hq = gl.arange(0, N, gl.SliceLayout(1, gl.SliceLayout(2, ql)))
+        gq = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, ql)))
+        eq = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(1, ql)))
+        offs = (gl.expand_dims(gl.expand_dims((q_row0 + hq).to(gl.int64) * 128, 1), 2)
+                + gl.expand_dims(gl.expand_dims(gq * 32, 0), 2) + gl.expand_dims(gl.expand_dims(eq, 0), 1))
+        mask = gl.expand_dims(gl.expand_dims(hq < GROUP, 1), 2)
+        q3 = gl.load(q_ptr + offs, mask=mask, other=0.0)                 # [N, gr, e]
+        q = gl.permute(gl.reshape(q3, [N, 4, 2, 2, 2, 2, 2]), [2, 3, 4, 5, 1, 6, 0])
+        return gl.convert_layout(gl.reshape(q, [128, N]), b_op, assert_trivial=True)
 
     @gluon.jit
     def _q_pow2(amax):
@@ -449,7 +473,7 @@ if HAVE_GLUON:
                              ml_ptr, o_ptr, cnt_ptr, HQ, HKV, L, GROUP, NUM_SPLITS, qk_scale, TILE: gl.constexpr,
                              PREFETCH: gl.constexpr, STAGES: gl.constexpr, MERGE_SPLITS: gl.constexpr,
                              MERGE_ROUND: gl.constexpr, FP8: gl.constexpr, RING_MASKS: gl.constexpr,
-                             VECTOR_STORES: gl.constexpr):
+                             VECTOR_STORES: gl.constexpr, Q_VECTOR_LOADS: gl.constexpr):
         """Grid (row, KV head, split), one warp. Writes the split's partial (acc, m, l) like
         kv_decode_attention._packed_decode_kernel; attention_combine merges the splits, or (MERGE_SPLITS =
         NUM_SPLITS > 0) the split that finishes last merges them into o_ptr (_merge_splits). FP8: E4M3 codes
@@ -524,15 +548,18 @@ if HAVE_GLUON:
                 async_copy.commit_group()
         # Q^T [128 (logical k), 8 heads] in the B fragment layout, gathered in q_order, scaled per head (after the
         # ring's first copies are issued: its latency overlaps theirs)
-        kk = gl.arange(0, D, gl.SliceLayout(1, b_op))
-        if FP8:
-            d_q = 32 * ((kk >> 1) & 3) + 4 * (kk >> 4) + 2 * ((kk >> 3) & 1) + (kk & 1)
+        if Q_VECTOR_LOADS:
+            q = _q_operand(q_ptr, q_row0, GROUP, N, b_op).to(gl.float32)
         else:
-            d_q = (32 * ((kk >> 1) & 3) + 16 * (kk >> 6) + 8 * ((kk >> 5) & 1) + 4 * ((kk >> 4) & 1)
-                   + 2 * ((kk >> 3) & 1) + (kk & 1))
-        nn = gl.arange(0, N, gl.SliceLayout(0, b_op))
-        q = gl.load(q_ptr + gl.expand_dims((q_row0 + nn).to(gl.int64) * D, 0) + gl.expand_dims(d_q, 1),
-                    mask=gl.expand_dims(nn < GROUP, 0), other=0.0).to(gl.float32)
+            kk = gl.arange(0, D, gl.SliceLayout(1, b_op))
+            if FP8:
+                d_q = 32 * ((kk >> 1) & 3) + 4 * (kk >> 4) + 2 * ((kk >> 3) & 1) + (kk & 1)
+            else:
+                d_q = (32 * ((kk >> 1) & 3) + 16 * (kk >> 6) + 8 * ((kk >> 5) & 1) + 4 * ((kk >> 4) & 1)
+                       + 2 * ((kk >> 3) & 1) + (kk & 1))
+            nn = gl.arange(0, N, gl.SliceLayout(0, b_op))
+            q = gl.load(q_ptr + gl.expand_dims((q_row0 + nn).to(gl.int64) * D, 0) + gl.expand_dims(d_q, 1),
+                        mask=gl.expand_dims(nn < GROUP, 0), other=0.0).to(gl.float32)
         f, inv_f = _q_pow2(gl.max(gl.abs(q), 0))
         q_b = (q * gl.expand_dims(f, 0)).to(gl.float16)
         # per head: sm_scale * log2(e) (exp2 softmax) * 2^9 (NVFP4's code offset) / f
@@ -653,7 +680,7 @@ def kernel_args(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.
                 HQ=hq, HKV=hkv, L=max_len, GROUP=hq // hkv, NUM_SPLITS=splits, qk_scale=sm_scale * LOG2E,
                 TILE=tile, PREFETCH=int(prefetch), STAGES=RING_STAGES, MERGE_SPLITS=splits if merge else 0,
                 MERGE_ROUND=MERGE_ROUND, FP8=fp8, RING_MASKS=RING_MASKS,
-                VECTOR_STORES=VECTOR_STORES)
+                VECTOR_STORES=VECTOR_STORES, Q_VECTOR_LOADS=Q_VECTOR_LOADS)
 
 
 def gluon_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, slots: torch.Tensor,

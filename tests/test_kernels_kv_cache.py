@@ -152,7 +152,8 @@ def _poisoned_case(fmt: str, seed: int):
     return q, k, v, slots, lens, packed_decode_attention_reference(q, k, v, slots, lens, 0.11, torch.float64)
 
 
-KNOB_VARIANTS = [dict(VECTOR_STORES=True), dict(VECTOR_STORES=True, RING_MASKS=False), dict(RING_MASKS=False)]
+KNOB_VARIANTS = [dict(VECTOR_STORES=True), dict(VECTOR_STORES=True, RING_MASKS=False), dict(RING_MASKS=False),
+                 dict(Q_VECTOR_LOADS=True), dict(Q_VECTOR_LOADS=True, VECTOR_STORES=True)]
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on a GPU only")
@@ -160,7 +161,7 @@ KNOB_VARIANTS = [dict(VECTOR_STORES=True), dict(VECTOR_STORES=True, RING_MASKS=F
 @pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=lambda k: ",".join(f"{n.lower()}={int(v)}" for n, v in k.items()))
 def test_gluon_module_knobs_equal_the_default_kernel(fmt, knobs, monkeypatch):
     """kv_decode_gluon's module knobs change how bytes move, not the arithmetic: VECTOR_STORES (the partials as
-    16-byte stores) and RING_MASKS off (the ring rereads a split's last row instead of zero-filling past it) equal
+    16-byte stores), Q_VECTOR_LOADS (q as 16-byte loads, reordered in registers) and RING_MASKS off (the ring rereads a split's last row instead of zero-filling past it) equal
     the default kernel bit for bit and the reference within the kernel's tolerance, at split counts whose splits
     end mid-trip, are shorter than the ring's look-ahead, or hold no position at all, merged in the kernel or by
     the combine launch. The default kernel has RING_MASKS on: the ring zero-fills rows past a split's end, which
@@ -201,6 +202,17 @@ def test_gluon_orders_are_permutations_that_q_k_v_and_the_store_agree_on(fmt):
         assert kg.q_order("fp8")[16].item() == 4
         assert kg.o_order("fp8")[1].item() == 16 and kg.o_order("fp8")[8].item() == 1
         assert kg.o_order("fp8")[32].item() == 4
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_gluon_q_vector_loads_reorder_into_q_order(fmt):
+    """Q_VECTOR_LOADS: a lane loads head g's 32 contiguous values of group t and the kernel reshapes [heads, 4, 32]
+    to [heads, 4, 2, 2, 2, 2, 2] and permutes (2, 3, 4, 5, 1, 6, 0) into Q^T [128, heads]; for both formats that is
+    q gathered in q_order (the compiler's assert_trivial checks that no data moves; this checks the values)."""
+    from megatron_qrl.kernels import kv_decode_gluon as kg
+    q = torch.randn(8, kg.HEAD_DIM, generator=_gen(4))
+    q_t = q.reshape(8, 4, 2, 2, 2, 2, 2).permute(2, 3, 4, 5, 1, 6, 0).reshape(kg.HEAD_DIM, 8)
+    assert torch.equal(q_t, q[:, kg.q_order(fmt)].T)
 
 
 @pytest.mark.skipif(GPU, reason="the CPU's answer to a Gluon request")

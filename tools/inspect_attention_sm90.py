@@ -26,6 +26,7 @@ MAXNREG = int(os.environ.get("MAXNREG", "0"))   # cap the registers (ptxas), as 
 RING_MASKS = os.environ.get("RING_MASKS", "1") == "1"   # kv_decode_gluon.RING_MASKS for the Gluon kernel
 RING_STAGES = int(os.environ.get("RING_STAGES", "0"))     # kv_decode_gluon.RING_STAGES (0: its default)
 VECTOR_STORES = os.environ.get("VECTOR_STORES", "0") == "1"   # kv_decode_gluon.VECTOR_STORES
+Q_VECTOR_LOADS = os.environ.get("Q_VECTOR_LOADS", "0") == "1"   # kv_decode_gluon.Q_VECTOR_LOADS
 PIPES = [("ldg", r"^LDG"), ("ldgsts", r"^LDGSTS"), ("lds", r"^LDS(?!M)"), ("ldsm", r"^LDSM"), ("sts", r"^STS"),
          ("stg", r"^STG"), ("mma", r"^(HMMA|HGMMA|QGMMA|IMMA)"), ("mufu", r"^MUFU"),
          ("fp32", r"^(FADD|FMUL|FFMA|FMNMX|FSEL|FSETP|FCHK)"), ("fp16", r"^(HADD2|HMUL2|HFMA2|HMNMX2|HSET)"),
@@ -54,6 +55,7 @@ def compile_kernel(fmt: str, group: int, block_s: int, num_warps: int, num_stage
         g.RING_MASKS = RING_MASKS
         g.RING_STAGES = RING_STAGES or g.RING_STAGES
         g.VECTOR_STORES = VECTOR_STORES
+        g.Q_VECTOR_LOADS = Q_VECTOR_LOADS
         fn = g._gluon_decode_kernel
         kwargs = g.kernel_args(q, keys, values, idx, idx, acc, ml, 0.1, block_s,
                                prefetch={"noprefetch": 0, "prefetch2": 2, "prefetch3": 3}.get(decode, 1),
