@@ -144,7 +144,7 @@ def rel_err(y, ref):
 def dense_configs(dense, fmt, m, n, k, mode, only=""):
     """The default config, plus (mode "all") the autotuner's candidates, optionally only those whose names
     start with one of the comma-separated prefixes in `only` (e.g. "T,V": the two GEMV kernels)."""
-    if mode in ("heuristic", "gluon"):
+    if mode in ("heuristic", "gluon", "blocks"):
         return [dense.heuristic_config(fmt, m, n, k)]
     cands = dense.candidate_configs(fmt, m, n, k)
     if only:
@@ -187,7 +187,25 @@ def moe_configs(moe, t, mode):
                 (gu, replace(dn, tma=not dn.tma))]
     if mode in ("gluon", "all"):
         out += gluon_moe_variants(moe, n_assign)
+    if mode in ("blocks", "all") and gu.block_m == 16:
+        out += block32_variants(moe, n_assign)
     return list(dict.fromkeys(out))
+
+
+def block32_variants(moe, n_assign):
+    """32-row blocks with the 16-row blocks' narrow K steps (the heuristic's 32-row config takes 256-wide K steps,
+    139 registers and 84 KB of shared memory: 2 programs per SM). Why: at 16 assignments per expert (T = 256,
+    E = 128, top-8) about half the experts spill into a second 16-row block, whose program dequantizes the same
+    weight tiles again (~1.5x the dequant instructions of one block per expert), and the kernel is bound by
+    instructions, not bytes (docs/PERF.md)."""
+    x_pre = n_assign >= 64
+    C = moe.MoEConfig
+    return [(C(32, 64, 128, 4, 3, x_pre=x_pre, tma=True), C(32, 64, 128, 4, 3, tma=True)),
+            (C(32, 64, 128, 4, 4, x_pre=x_pre, tma=True), C(32, 128, 128, 4, 3, tma=True)),
+            (C(32, 64, 128, 8, 3, x_pre=x_pre, tma=True), C(32, 128, 128, 8, 3, tma=True)),
+            (C(32, 32, 128, 4, 3, x_pre=x_pre, tma=True), C(32, 64, 128, 4, 4, tma=True)),
+            (C(32, 64, 64, 4, 4, x_pre=x_pre, tma=True), C(32, 64, 64, 4, 4, tma=True)),
+            (C(32, 64, 128, 4, 3, x_pre=x_pre), C(32, 64, 128, 4, 3))]
 
 
 def gluon_moe_variants(moe, n_assign):
@@ -636,9 +654,10 @@ def main():
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
-    ap.add_argument("--configs", choices=["heuristic", "all", "gluon"], default="heuristic",
+    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks"], default="heuristic",
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
-                    "(dense shapes: the heuristic config)")
+                    "(dense shapes: the heuristic config); blocks: the heuristic and 32-row blocks with narrow "
+                    "K steps where the heuristic takes 16")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")
