@@ -67,8 +67,9 @@ def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool
     return _compile(g._moe_gluon_kernel, kw, dict(num_warps=warps), True)
 
 
-def compile_triton(gated: bool, block_m: int, x_pre: bool):
-    """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced)."""
+def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = ""):
+    """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced; tiles
+    "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages)."""
     from dataclasses import replace
 
     import megatron_qrl.kernels.moe_grouped_gemm as m
@@ -76,6 +77,9 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool):
     w = _weights(gated)
     n = w.n // 2 if gated else w.n
     cfg = replace(m.heuristic_moe_config(E * block_m, E, n, w.k, gated, "nvfp4", gemv=False), block_m=block_m)
+    if tiles:
+        bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
+        cfg = replace(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     nb = 64
     x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
     y = torch.zeros((nb * block_m, n), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
@@ -127,6 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--proj", default="gated,down")
     ap.add_argument("--bf16-x", action="store_true", help="gate/up on bf16 x (converted in the kernel)")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--triton-tiles", default="", help="Triton configs to compile instead of the heuristic's, "
+                    "comma-separated BNxBKwWsS (e.g. 64x128w4s3,128x128w8s3)")
+    ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--dump", default="")
     a = ap.parse_args(argv)
     import megatron_qrl.kernels.moe_gluon as g
@@ -134,12 +141,14 @@ def main(argv=None) -> int:
     for proj in a.proj.split(","):
         gated = proj == "gated"
         for bm in (int(v) for v in a.block_m.split(",")):
-            if not a.no_triton:
-                cfg, k = compile_triton(gated, bm, x_pre)
+            for tiles in ([] if a.no_triton else a.triton_tiles.split(",") if a.triton_tiles else [""]):
+                cfg, k = compile_triton(gated, bm, x_pre, tiles)
                 # one trip: block_n rows (x 2 gated) x block_k / 32 groups
                 report(f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                        f"{' tma' if cfg.tma else ''}", k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32,
                        cfg.num_warps, a.dump)
+            if a.no_gluon:
+                continue
             rows_list = [int(v) for v in a.rows.split(",")] if a.rows else [g.default_rows(gated, bm)]
             for rows in rows_list:
                 for warps in (int(v) for v in a.warps.split(",")):
