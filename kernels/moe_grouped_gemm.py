@@ -216,6 +216,13 @@ def gluon_moe_config(block_m: int, gated: bool, x_pre: bool = False, rows: int =
 # the CUDA-core path while routed experts average at most this many assignments (H200, E=128 top-8: at 2
 # the tensor-core kernel is 1.2x faster than the GEMV with one or two tokens per program; docs/PERF.md)
 GEMV_MAX_PER_EXPERT = 1.0
+# 16-row blocks while routed experts average at most this many assignments, then 32-row blocks (up to 48)
+BLOCK16_MAX_PER_EXPERT = 16.0
+# 32-row gate/up blocks with the 16-row blocks' 128-wide K steps and the fp16 operand converted once (x_pre),
+# instead of 256-wide steps (139 registers, 84 KB of shared memory: 2 programs per SM) on bf16 x: one block per
+# expert where 16-row blocks spill half the experts into a second block that dequantizes the same weights again.
+# Off until measured (tools/bench_kernels.py --configs blocks; tools/bench_rollout.py --moe-block32-from)
+BLOCK32_NARROW_K = False
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -230,8 +237,8 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     if gemv and fmt == "nvfp4" and per_expert <= GEMV_MAX_PER_EXPERT:
         # gate/up tiles hold gate and up rows: 32 of each match the loads in flight of 64 down rows
         return MoEConfig(1, 32 if gated else 64, _bk(k), 4, 1, gemv=True)
-    bm = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
-    x_pre = bm == 16 and n_assign >= 64
+    bm = 16 if per_expert <= BLOCK16_MAX_PER_EXPERT else (32 if per_expert <= 48 else 64)
+    x_pre = (bm == 16 or (bm == 32 and BLOCK32_NARROW_K)) and n_assign >= 64
     if GLUON_DEFAULT and fmt == "nvfp4" and bm in (16, 32) and k % 128 == 0:
         # the fp16 operand at both block sizes: the Gluon kernel converts bf16 x per program and trip, +25-45%
         # instructions in its loop (tools/inspect_moe_sm90.py --bf16-x)
@@ -239,7 +246,7 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     bn = 64 if gated or bm == 16 else 128
     # 128-wide K steps (not 256) for 16-token blocks and every down projection up to 32-token blocks:
     # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)
-    narrow_k = bm == 16 or (not gated and bm == 32)
+    narrow_k = bm == 16 or (bm == 32 and (not gated or BLOCK32_NARROW_K))
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
     return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4")

@@ -644,6 +644,25 @@ def test_moe_block_m_32_and_bf16_path():
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
 
 
+def test_moe_block32_narrow_k_heuristic(monkeypatch):
+    """BLOCK32_NARROW_K: 32-row gate/up blocks take 128-wide K steps on the fp16 operand (x_pre), the heuristic's
+    choice above BLOCK16_MAX_PER_EXPERT, and compute the per-expert reference's MLP."""
+    from megatron_qrl.kernels import moe_grouped_gemm as mg
+
+    assert heuristic_moe_config(24 * 128, 128, 768, 2048, True).block_k == 256        # the default: wide K steps
+    monkeypatch.setattr(mg, "BLOCK32_NARROW_K", True)
+    monkeypatch.setattr(mg, "BLOCK16_MAX_PER_EXPERT", 8.0)
+    gu = heuristic_moe_config(16 * 128, 128, 768, 2048, True)
+    assert (gu.block_m, gu.block_k, gu.x_pre) == (32, 128, True)
+    assert heuristic_moe_config(8 * 128, 128, 768, 2048, True).block_m == 16
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2, x, ids, tw = _moe_case("nvfp4", 4, 128, 96, 2, 20, gen)    # 10 assignments per expert: 32-row blocks
+    assert heuristic_moe_config(40, 4, 96, 128, True).block_m == 32
+    y = moe_w4a16(x, w13, w2, ids, tw)
+    assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
+
+
 def test_moe_tma_weight_tiles():
     """TMA weight tiles: F not a multiple of block_n (gate tiles run into up rows, never stored)."""
     seed = _seed()
