@@ -649,7 +649,8 @@ def test_moe_block32_narrow_k_heuristic(monkeypatch):
     choice above BLOCK16_MAX_PER_EXPERT, and compute the per-expert reference's MLP."""
     from megatron_qrl.kernels import moe_grouped_gemm as mg
 
-    assert heuristic_moe_config(24 * 128, 128, 768, 2048, True).block_k == 256        # the default: wide K steps
+    monkeypatch.setattr(mg, "BLOCK32_NARROW_K", False)
+    assert heuristic_moe_config(24 * 128, 128, 768, 2048, True).block_k == 256        # off: wide K steps
     monkeypatch.setattr(mg, "BLOCK32_NARROW_K", True)
     monkeypatch.setattr(mg, "BLOCK16_MAX_PER_EXPERT", 8.0)
     gu = heuristic_moe_config(16 * 128, 128, 768, 2048, True)
