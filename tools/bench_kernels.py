@@ -188,24 +188,29 @@ def moe_configs(moe, t, mode):
     if mode in ("gluon", "all"):
         out += gluon_moe_variants(moe, n_assign)
     if mode in ("blocks", "all") and gu.block_m == 16:
-        out += block32_variants(moe, n_assign)
+        out += block_variants(moe, n_assign)
     return list(dict.fromkeys(out))
 
 
-def block32_variants(moe, n_assign):
-    """32-row blocks with the 16-row blocks' narrow K steps (the heuristic's 32-row config takes 256-wide K steps,
-    139 registers and 84 KB of shared memory: 2 programs per SM). Why: at 16 assignments per expert (T = 256,
-    E = 128, top-8) about half the experts spill into a second 16-row block, whose program dequantizes the same
-    weight tiles again (~1.5x the dequant instructions of one block per expert), and the kernel is bound by
-    instructions, not bytes (docs/PERF.md)."""
+def block_variants(moe, n_assign):
+    """Fewer dequant instructions per weight byte where the heuristic takes 16-row blocks (tools/inspect_moe_sm90.py
+    --triton-tiles, sm_90a, warp instructions per 16-byte code vector of the K loop): 32-row blocks with the
+    16-row blocks' 128-wide K steps (gate/up 64 rows 4.09, 128 rows 3.50; down 128 rows 3.86), and 16-row blocks
+    with 128-row tiles (gate/up 3.47, down 3.74, against the heuristic's 3.98 / 4.59). Why: the kernel is bound by
+    instructions, not bytes, and at 16 assignments per expert (T = 256, E = 128, top-8) about half the experts
+    spill into a second 16-row block whose program dequantizes the same weight tiles again. (The heuristic's own
+    32-row gate/up config takes 256-wide K steps: 139 registers, 84 KB of shared memory, 2 programs per SM.)"""
     x_pre = n_assign >= 64
     C = moe.MoEConfig
-    return [(C(32, 64, 128, 4, 3, x_pre=x_pre, tma=True), C(32, 64, 128, 4, 3, tma=True)),
-            (C(32, 64, 128, 4, 4, x_pre=x_pre, tma=True), C(32, 128, 128, 4, 3, tma=True)),
-            (C(32, 64, 128, 8, 3, x_pre=x_pre, tma=True), C(32, 128, 128, 8, 3, tma=True)),
-            (C(32, 32, 128, 4, 3, x_pre=x_pre, tma=True), C(32, 64, 128, 4, 4, tma=True)),
-            (C(32, 64, 64, 4, 4, x_pre=x_pre, tma=True), C(32, 64, 64, 4, 4, tma=True)),
-            (C(32, 64, 128, 4, 3, x_pre=x_pre), C(32, 64, 128, 4, 3))]
+
+    def gu(bm, bn, stages=3, tma=True):
+        return C(bm, bn, min(128, moe._bk(MOE["hidden"])), 4, stages, x_pre=x_pre, tma=tma)
+
+    def dn(bm, bn, tma=True):
+        return C(bm, bn, min(128, moe._bk(MOE["ffn"])), 4, 3, tma=tma)
+    return [(gu(32, 64), dn(32, 128)), (gu(32, 128), dn(32, 128)), (gu(32, 64), dn(32, 64)),
+            (gu(32, 64, 4), dn(32, 128)), (gu(32, 64, tma=False), dn(32, 128, tma=False)),
+            (gu(16, 64), dn(16, 128)), (gu(16, 128), dn(16, 128))]
 
 
 def gluon_moe_variants(moe, n_assign):
@@ -656,8 +661,8 @@ def main():
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
     ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks"], default="heuristic",
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
-                    "(dense shapes: the heuristic config); blocks: the heuristic and 32-row blocks with narrow "
-                    "K steps where the heuristic takes 16")
+                    "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
+                    "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")
