@@ -17,7 +17,8 @@
 #   moeblocks the grouped expert kernel at T = 256, 128: the heuristic against 32-row blocks with narrow K steps
 #             (tools/bench_kernels.py --configs blocks)
 #   block32   48 layers, batch 256, FP4: the decode step on 32-row expert blocks above 8 assignments per expert
-#             (bench_rollout --moe-block32-from 8), then the default, each in a process of its own
+#             (bench_rollout --moe-block32-from 8), then the default, each in a process of its own (BLOCK32_FROM:
+#             the thresholds to run, "8 0"; 0 is the default)
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,7 +93,7 @@ if part moeblocks; then
     --moe-tokens 256,128 --configs blocks --rep-ms 40 2>&1 | grep "moe T=\|exit code" | tail -20
 fi
 if part block32; then
-  for from in 8 0; do
+  for from in ${BLOCK32_FROM:-8 0}; do
     OUT=$O/block32_$from BENCH_TIMEOUT="${T_BLOCK32:-150}" bash tools/gpu_rollout.sh --layers 48 --batches 256 \
       --engines fp4 --reps 2 --moe-block32-from $from 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
   done
