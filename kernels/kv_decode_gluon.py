@@ -72,13 +72,12 @@ RING_MASKS = True
 # The split's partial O goes out as 16-byte stores (4 contiguous head_dim values x 8 heads a lane, one layout change
 # through shared memory) instead of 32 scattered 4-byte stores a lane: on an H100 (ncu source counters, 32/4 heads,
 # batch 16 x 4,096) those stores' LG throttle and the exit's drain behind them were ~14% of the warp's stall samples.
-# Off until a GPU run times it (tools/bench_attention.py vector_stores=1)
-VECTOR_STORES = False
+# H100, 2026-12-07 (with Q_VECTOR_LOADS; tools/bench_attention.py, 8 shapes): NVFP4 1.02-1.35x, FP8 1.00-1.12x
+VECTOR_STORES = True
 # Q^T comes in as four 16-byte loads a lane (head g's 32 contiguous values of group t, reordered into the score MMA's
 # B fragment by a reshape + permute that moves no data) instead of 32 two-byte gathers in q_order: on an H100 (ncu
-# source counters, as above) the q gather's wait was ~7% of the warp's stall samples. Off until a GPU run times it
-# (tools/bench_attention.py q_vector_loads=1)
-Q_VECTOR_LOADS = False
+# source counters, as above) the q gather's wait was ~7% of the warp's stall samples. Timed with VECTOR_STORES (above)
+Q_VECTOR_LOADS = True
 
 # Four E4M3 bytes -> two fp16x2 (bytes 0, 1 and 2, 3), the GPU's conversion (kv_decode_attention's FP8 V tiles too)
 FP8_WORD_ASM = triton.language.constexpr("""{
@@ -611,6 +610,12 @@ if HAVE_GLUON:
                 kw = gl.load(kwp)
                 vw = gl.load(vwp)
 
+        if PREFETCH >= 2:
+            # the look-ahead copies past the last trip must land before anything reuses shared memory: the
+            # epilogue's layout changes may get scratch that aliases the ring (an H100 run caught VECTOR_STORES
+            # with RING_MASKS off, whose late copies read DRAM, writing into the partials' staging)
+            async_copy.wait_group(0)
+            gl.thread_barrier()
         heads = gl.arange(0, N, cols_c)
         out_row = (q_row0 + heads) * NUM_SPLITS + sp
         r = gl.arange(0, D, rows_c)

@@ -216,13 +216,15 @@ def gluon_moe_config(block_m: int, gated: bool, x_pre: bool = False, rows: int =
 # the CUDA-core path while routed experts average at most this many assignments (H200, E=128 top-8: at 2
 # the tensor-core kernel is 1.2x faster than the GEMV with one or two tokens per program; docs/PERF.md)
 GEMV_MAX_PER_EXPERT = 1.0
-# 16-row blocks while routed experts average at most this many assignments, then 32-row blocks (up to 48)
-BLOCK16_MAX_PER_EXPERT = 16.0
+# 16-row blocks while routed experts average at most this many assignments, then 32-row blocks (up to 48).
+# H100, 2026-12-07 (tools/bench_kernels.py --configs blocks): at 8 per expert 16-row blocks 166.3 us against
+# 174.4 with 32 rows; at 16 per expert 32-row blocks 182.7 us against 204.7 (the 24-layer decode step at batch
+# 256: 6.53 ms against 7.11); the crossover between them was not measured
+BLOCK16_MAX_PER_EXPERT = 12.0
 # 32-row gate/up blocks with the 16-row blocks' 128-wide K steps and the fp16 operand converted once (x_pre),
 # instead of 256-wide steps (139 registers, 84 KB of shared memory: 2 programs per SM) on bf16 x: one block per
-# expert where 16-row blocks spill half the experts into a second block that dequantizes the same weights again.
-# Off until measured (tools/bench_kernels.py --configs blocks; tools/bench_rollout.py --moe-block32-from)
-BLOCK32_NARROW_K = False
+# expert where 16-row blocks spill half the experts into a second block that dequantizes the same weights again
+BLOCK32_NARROW_K = True
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,

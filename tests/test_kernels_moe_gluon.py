@@ -123,7 +123,7 @@ def test_heuristic_keeps_triton_until_the_switch_is_flipped(monkeypatch):
     for n_assign in (128, 256, 1024, 2048, 4096):
         assert not mg.heuristic_moe_config(n_assign, 128, 768, 2048, True).gluon
     monkeypatch.setattr(mg, "GLUON_DEFAULT", True)
-    cfg = mg.heuristic_moe_config(2048, 128, 768, 2048, True)          # batch 256, top-8: 16 per expert
+    cfg = mg.heuristic_moe_config(1024, 128, 768, 2048, True)          # batch 128, top-8: 8 per expert
     assert cfg.gluon and cfg.block_m == 16 and cfg.block_k == 128 and cfg.x_pre
     assert cfg.block_n == moe_gluon.default_rows(True, 16)
     dn = mg.heuristic_moe_config(4096, 128, 2048, 768, False)           # 32 per expert

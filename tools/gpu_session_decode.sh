@@ -13,9 +13,9 @@
 #   launch    what a kernel boundary costs inside a CUDA graph (tools/probe_graph_launch.py: plain, PDL, cuBLAS)
 #   loop      the RL loop of configs/single_h200.yaml (tools/gpu_train_single.sh; STEPS, TRAIN_TIMEOUT)
 #   attn      the packed-KV attention kernel: its Gluon GPU tests, then tools/bench_attention.py with the module knobs
-#             in KV_CONFIGS / KV_FP8_CONFIGS (default: q_vector_loads, vector_stores and both) beside the default
-#   moeblocks the grouped expert kernel at T = 256, 128: the heuristic against 32-row blocks with narrow K steps
-#             (tools/bench_kernels.py --configs blocks)
+#             in KV_CONFIGS / KV_FP8_CONFIGS (default: both vector knobs off) beside the default
+#   moeblocks the grouped expert kernel at T = MOE_TOKENS (256,128): the heuristic against 16- / 32-row block
+#             variants (tools/bench_kernels.py --configs blocks)
 #   block32   48 layers, batch 256, FP4: the decode step on 32-row expert blocks above 8 assignments per expert
 #             (bench_rollout --moe-block32-from 8), then the default, each in a process of its own (BLOCK32_FROM:
 #             the thresholds to run, "8 0"; 0 is the default)
@@ -83,14 +83,14 @@ if part loop; then
   OUT=$O/loop STEPS="${STEPS:-8}" SFT=20 NEW=256 TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-250}" bash tools/gpu_train_single.sh | tail -14
 fi
 if part attn; then
-  KNOBS="default:q_vector_loads=1:vector_stores=1:vector_stores=1,q_vector_loads=1"
+  KNOBS="default:vector_stores=0,q_vector_loads=0"   # the defaults beside the kernel before 2026-12-07 (third)
   OUT=$O/attn TEST_K=gluon TEST_TIMEOUT="${T_ATTN_TESTS:-120}" BENCH_TIMEOUT="${T_ATTN:-200}" bash tools/gpu_kv_attention.sh \
     --shapes 16x4096,32x8192,1x8192,64x2048 --heads 32/4,32/8 --rep-ms 10 --nvfp4-configs "${KV_CONFIGS:-$KNOBS}" \
     --fp8-configs "${KV_FP8_CONFIGS:-$KNOBS}" 2>&1 | tail -40
 fi
 if part moeblocks; then
   OUT=$O/moeblocks SKIP_TESTS=1 BENCH_TIMEOUT="${T_MOEBLOCKS:-150}" bash tools/gpu_kernels.sh --skip-dense \
-    --moe-tokens 256,128 --configs blocks --rep-ms 40 2>&1 | grep "moe T=\|exit code" | tail -20
+    --moe-tokens "${MOE_TOKENS:-256,128}" --configs blocks --rep-ms 40 2>&1 | grep "moe T=\|exit code" | tail -20
 fi
 if part block32; then
   for from in ${BLOCK32_FROM:-8 0}; do

@@ -25,8 +25,8 @@ from compile_gluon_sm90 import cuobjdump, regs_of  # noqa: E402
 MAXNREG = int(os.environ.get("MAXNREG", "0"))   # cap the registers (ptxas), as a launch would with maxnreg
 RING_MASKS = os.environ.get("RING_MASKS", "1") == "1"   # kv_decode_gluon.RING_MASKS for the Gluon kernel
 RING_STAGES = int(os.environ.get("RING_STAGES", "0"))     # kv_decode_gluon.RING_STAGES (0: its default)
-VECTOR_STORES = os.environ.get("VECTOR_STORES", "0") == "1"   # kv_decode_gluon.VECTOR_STORES
-Q_VECTOR_LOADS = os.environ.get("Q_VECTOR_LOADS", "0") == "1"   # kv_decode_gluon.Q_VECTOR_LOADS
+VECTOR_STORES = os.environ.get("VECTOR_STORES", "1") == "1"   # kv_decode_gluon.VECTOR_STORES
+Q_VECTOR_LOADS = os.environ.get("Q_VECTOR_LOADS", "1") == "1"   # kv_decode_gluon.Q_VECTOR_LOADS
 PIPES = [("ldg", r"^LDG"), ("ldgsts", r"^LDGSTS"), ("lds", r"^LDS(?!M)"), ("ldsm", r"^LDSM"), ("sts", r"^STS"),
          ("stg", r"^STG"), ("mma", r"^(HMMA|HGMMA|QGMMA|IMMA)"), ("mufu", r"^MUFU"),
          ("fp32", r"^(FADD|FMUL|FFMA|FMNMX|FSEL|FSETP|FCHK)"), ("fp16", r"^(HADD2|HMUL2|HFMA2|HMNMX2|HSET)"),
