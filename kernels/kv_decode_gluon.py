@@ -72,7 +72,7 @@ RING_MASKS = True
 # The split's partial O goes out as 16-byte stores (4 contiguous head_dim values x 8 heads a lane, one layout change
 # through shared memory) instead of 32 scattered 4-byte stores a lane: on an H100 (ncu source counters, 32/4 heads,
 # batch 16 x 4,096) those stores' LG throttle and the exit's drain behind them were ~14% of the warp's stall samples.
-# H100, 2026-12-07 (with Q_VECTOR_LOADS; tools/bench_attention.py, 8 shapes): NVFP4 1.02-1.35x, FP8 1.00-1.12x
+# H100, 2026-12-07 (with Q_VECTOR_LOADS; tools/bench_attention.py, 8 shapes): NVFP4 1.00-1.35x, FP8 1.00-1.12x
 VECTOR_STORES = True
 # Q^T comes in as four 16-byte loads a lane (head g's 32 contiguous values of group t, reordered into the score MMA's
 # B fragment by a reshape + permute that moves no data) instead of 32 two-byte gathers in q_order: on an H100 (ncu
