@@ -222,9 +222,11 @@ GEMV_MAX_PER_EXPERT = 1.0
 # 256: 6.53 ms against 7.11); the crossover between them was not measured
 BLOCK16_MAX_PER_EXPERT = 12.0
 # 32-row gate/up blocks with the 16-row blocks' 128-wide K steps and the fp16 operand converted once (x_pre),
-# instead of 256-wide steps (139 registers, 84 KB of shared memory: 2 programs per SM) on bf16 x: one block per
-# expert where 16-row blocks spill half the experts into a second block that dequantizes the same weights again
-BLOCK32_NARROW_K = True
+# instead of 256-wide steps (139 registers, 84 KB of shared memory: 2 programs per SM) on bf16 x, up to this many
+# assignments per expert (0: never): one block per expert where 16-row blocks spill half the experts into a
+# second block that dequantizes the same weights again. Measured at 16 per expert (above); from 24 the old
+# 256-wide steps stay, the sweep's choice at 32 per expert, where narrow steps were not timed
+BLOCK32_NARROW_K_MAX_PER_EXPERT = 24.0
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -240,7 +242,8 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
         # gate/up tiles hold gate and up rows: 32 of each match the loads in flight of 64 down rows
         return MoEConfig(1, 32 if gated else 64, _bk(k), 4, 1, gemv=True)
     bm = 16 if per_expert <= BLOCK16_MAX_PER_EXPERT else (32 if per_expert <= 48 else 64)
-    x_pre = (bm == 16 or (bm == 32 and BLOCK32_NARROW_K)) and n_assign >= 64
+    block32_narrow = bm == 32 and per_expert <= BLOCK32_NARROW_K_MAX_PER_EXPERT
+    x_pre = (bm == 16 or block32_narrow) and n_assign >= 64
     if GLUON_DEFAULT and fmt == "nvfp4" and bm in (16, 32) and k % 128 == 0:
         # the fp16 operand at both block sizes: the Gluon kernel converts bf16 x per program and trip, +25-45%
         # instructions in its loop (tools/inspect_moe_sm90.py --bf16-x)
@@ -248,7 +251,7 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     bn = 64 if gated or bm == 16 else 128
     # 128-wide K steps (not 256) for 16-token blocks and every down projection up to 32-token blocks:
     # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)
-    narrow_k = bm == 16 or (bm == 32 and (not gated or BLOCK32_NARROW_K))
+    narrow_k = bm == 16 or (bm == 32 and (not gated or block32_narrow))
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
     return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4")

@@ -645,13 +645,19 @@ def test_moe_block_m_32_and_bf16_path():
 
 
 def test_moe_block32_narrow_k_heuristic(monkeypatch):
-    """BLOCK32_NARROW_K: 32-row gate/up blocks take 128-wide K steps on the fp16 operand (x_pre), the heuristic's
-    choice above BLOCK16_MAX_PER_EXPERT, and compute the per-expert reference's MLP."""
+    """32-row gate/up blocks take 128-wide K steps on the fp16 operand (x_pre) from BLOCK16_MAX_PER_EXPERT up to
+    BLOCK32_NARROW_K_MAX_PER_EXPERT assignments per expert, 256-wide steps on bf16 x above, and compute the
+    per-expert reference's MLP."""
     from megatron_qrl.kernels import moe_grouped_gemm as mg
 
-    monkeypatch.setattr(mg, "BLOCK32_NARROW_K", False)
-    assert heuristic_moe_config(24 * 128, 128, 768, 2048, True).block_k == 256        # off: wide K steps
-    monkeypatch.setattr(mg, "BLOCK32_NARROW_K", True)
+    wide = heuristic_moe_config(32 * 128, 128, 768, 2048, True)                       # above the bound
+    assert (wide.block_m, wide.block_k, wide.x_pre) == (32, 256, False)
+    narrow = heuristic_moe_config(16 * 128, 128, 768, 2048, True)                     # batch 256, top-8
+    assert (narrow.block_m, narrow.block_k, narrow.x_pre) == (32, 128, True)
+    assert heuristic_moe_config(12 * 128, 128, 768, 2048, True).block_m == 16
+    monkeypatch.setattr(mg, "BLOCK32_NARROW_K_MAX_PER_EXPERT", 0.0)
+    assert heuristic_moe_config(16 * 128, 128, 768, 2048, True).block_k == 256        # off: wide K steps
+    monkeypatch.setattr(mg, "BLOCK32_NARROW_K_MAX_PER_EXPERT", 24.0)
     monkeypatch.setattr(mg, "BLOCK16_MAX_PER_EXPERT", 8.0)
     gu = heuristic_moe_config(16 * 128, 128, 768, 2048, True)
     assert (gu.block_m, gu.block_k, gu.x_pre) == (32, 128, True)

@@ -209,7 +209,7 @@ def block_variants(moe, n_assign):
 
     def dn(bm, bn, tma=True):
         return C(bm, bn, min(128, moe._bk(MOE["ffn"])), 4, 3, tma=tma)
-    wide32 = C(32, 64, moe._bk(MOE["hidden"]), 4, 3, tma=True)      # the 32-row gate/up tiles before BLOCK32_NARROW_K
+    wide32 = C(32, 64, moe._bk(MOE["hidden"]), 4, 3, tma=True)      # the 32-row gate/up tiles above BLOCK32_NARROW_K_MAX_PER_EXPERT
     return [(gu(32, 64), dn(32, 128)), (wide32, dn(32, 128)), (gu(32, 128), dn(32, 128)), (gu(32, 64), dn(32, 64)),
             (gu(32, 64, 4), dn(32, 128)), (gu(32, 64, tma=False), dn(32, 128, tma=False)),
             (gu(16, 64), dn(16, 128)), (gu(16, 128), dn(16, 128))]

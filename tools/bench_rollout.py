@@ -81,7 +81,7 @@ def _parse(argv):
                    help="experiment: the grouped-expert tile heuristic sees this many assignments per expert "
                         "instead of the batch's average (0: off), i.e. forces a larger tile class")
     p.add_argument("--moe-block32-from", type=float, default=0.0,
-                   help="experiment: 32-row expert blocks with narrow K steps (moe_grouped_gemm.BLOCK32_NARROW_K) "
+                   help="experiment: 32-row expert blocks with narrow K steps (up to 48 per expert) "
                         "above this many assignments per expert (BLOCK16_MAX_PER_EXPERT; 0: the defaults)")
     p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
                    help="quant.targets of the engines (all_linears: FP4 attention linears too)")
@@ -524,7 +524,7 @@ def run(a) -> dict:
         from megatron_qrl.kernels import moe_grouped_gemm
 
         moe_grouped_gemm.BLOCK16_MAX_PER_EXPERT = a.moe_block32_from
-        moe_grouped_gemm.BLOCK32_NARROW_K = True
+        moe_grouped_gemm.BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
            "moe_tokens_per_expert": a.moe_tokens_per_expert, "moe_kernel": a.moe_kernel,
            "moe_block32_from": a.moe_block32_from,
