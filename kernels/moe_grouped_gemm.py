@@ -224,9 +224,10 @@ BLOCK16_MAX_PER_EXPERT = 12.0
 # 32-row gate/up blocks with the 16-row blocks' 128-wide K steps and the fp16 operand converted once (x_pre),
 # instead of 256-wide steps (139 registers, 84 KB of shared memory: 2 programs per SM) on bf16 x, up to this many
 # assignments per expert (0: never): one block per expert where 16-row blocks spill half the experts into a
-# second block that dequantizes the same weights again. Measured at 16 per expert (above); from 24 the old
-# 256-wide steps stay, the sweep's choice at 32 per expert, where narrow steps were not timed
-BLOCK32_NARROW_K_MAX_PER_EXPERT = 24.0
+# second block that dequantizes the same weights again. H100: at 16 per expert (above), and at 32 per expert
+# (T = 512) 249.6 us against 287.0 with the 256-wide steps (2026-12-07, fourth session); above 32 the 256-wide
+# steps stay until the narrow ones are timed there
+BLOCK32_NARROW_K_MAX_PER_EXPERT = 32.0
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,

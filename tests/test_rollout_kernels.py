@@ -145,3 +145,57 @@ def test_scatter_steps_equals_per_step_scatter(grouped):
     swapped = [(steps[0][1], 6), (steps[2][1], 1), (steps[1][1], 3), (steps[3][1], 4)]
     with pytest.raises(RuntimeError, match="do not follow the routed experts"):
         scatter_steps(swapped, routed_all, [0], "nvfp4")
+
+
+def test_kernel_engine_keeps_no_dense_copy(source_model):
+    """The FP4 kernels read their weights packed: the engine frees those parameters (no BF16 copy beside the FP4
+    bytes), keeps them free through release/resume, generates the same after resume and refuses to sync from its
+    own emptied model; a reference engine (kernels off) keeps every dense value."""
+    ref, ker = pair(source_model, weights="nvfp4", scheme="w4a16", targets="all_linears")
+    names = ker.kernels.packed_weights()
+    params = dict(ker.model.named_parameters())
+    assert names == ker.store.packed_only == set(ker.store.quantized)
+    assert ker.health()["packed_only_weights"] == len(names) > 0
+    assert any("local_experts" in n for n in names) and any("linear_qkv" in n for n in names)
+    assert all(params[n].numel() == 0 for n in names)
+    assert not ref.store.packed_only and all(p.numel() > 0 for p in ref.model.parameters())
+    ps, sp = prompts(5, 9), SamplingParams(temperature=0.0, max_new_tokens=4)
+    before = ker.generate(ps, sp)
+    ker.release_memory()
+    ker.resume_memory()
+    assert all(params[n].numel() == 0 for n in names)
+    assert all(params[n].numel() > 0 for n in params if n not in names)
+    after = ker.generate(ps, sp)
+    for x, y in zip(before, after):
+        assert x.tokens == y.tokens and torch.equal(x.logprobs, y.logprobs)
+    with pytest.raises(ValueError, match="sync from the trainer's model"):
+        ker.sync_from_model(ker.model, version=1)
+    ker.sync_from_model(source_model, version=1)       # from the trainer: in place, the same weights
+    again = ker.generate(ps, sp)
+    assert [s.tokens for s in again] == [s.tokens for s in before] and ker.version == 1
+
+
+def test_seeded_weights_are_the_same_in_every_engine(source_model):
+    """tools/seeded_weights.py (the benchmarks' weights): the kernel engine's packed-only payloads are byte for
+    byte the reference engine's, and both generate the same tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from seeded_weights import sync_seeded
+
+    from megatron_qrl.platform.distributed import seed_everything
+
+    engines = []
+    for kernels in ("off", "on"):
+        seed_everything(0)                              # the rest of the model: its own seeded init
+        engines.append(EmbeddedEngine(make_cfg(), kernels=kernels, keep_codes=True))
+    ref, ker = engines
+    hashes = [sync_seeded(e, seed=5) for e in (ref, ker)]
+    assert hashes[0] == hashes[1]
+    name = sorted(ker.store.packed_only)[0]
+    assert torch.equal(ref.store.entries[name].packed, ker.store.entries[name].packed)
+    assert sync_seeded(ref, seed=6) != hashes[0]        # the seed changes the weights
+    sync_seeded(ref, seed=5)
+    ps, sp = prompts(4, 7), SamplingParams(temperature=0.0, max_new_tokens=3)
+    assert [s.tokens for s in ref.generate(ps, sp)] == [s.tokens for s in ker.generate(ps, sp)]

@@ -200,9 +200,10 @@ def test_fp4_kernel_experts_match_megatron_experts(source_model, fmt):
     from megatron_qrl.rollout.decode_experts import FP4KernelExperts, MegatronExperts
 
     eng = engine(source_model, "static", kernels="on", weights=fmt, scheme="w4a4")
-    layer = eng.model.decoder.layers[1]
+    dense = engine(source_model, "static", kernels="off", weights=fmt, scheme="w4a4")   # the kernel engine
+    layer = eng.model.decoder.layers[1]                                                # keeps no dense copy
     name = [n for n, m in eng.model.named_modules() if m is layer.mlp.experts][0]
-    ref = MegatronExperts(layer.mlp.experts, capture=True, keep_codes=True)
+    ref = MegatronExperts(dense.model.decoder.layers[1].mlp.experts, capture=True, keep_codes=True)
     ker = FP4KernelExperts(eng.kernels.grouped[name], fmt, True, capture=True, keep_codes=True)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 64, generator=g)

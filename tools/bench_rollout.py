@@ -5,10 +5,10 @@
         [--targets routed_experts|all_linears]
 
 One process. A Qwen3-30B-A3B-shaped model cut to --layers layers (hidden 2048, 128 experts top-8, expert FFN
-768, 32 query / 4 KV heads of dim 128, vocab 151936; random weights std 0.02; --tiny: a CPU-sized model for
-the smoke test). Each engine initialises its own model from the same seed and receives its weights through
-the normal weight sync (sync_from_model: codec + digests); engines are built one at a time so that 48 layers
-fit on one GPU. Engines (--engines):
+768, 32 query / 4 KV heads of dim 128, vocab 151936; --tiny: a CPU-sized model for the smoke test). Random
+weights: every linear normal(0, 0.02) from (seed, name) (tools/seeded_weights.py), the rest the model's own
+seeded init, installed through the normal weight sync (codec + digests), the same in every engine; engines are
+built one at a time, and an FP4 engine holds its linears only in FP4, so 48 layers fit on one 80 GB GPU. Engines (--engines):
     fp4        rollout.weights=nvfp4, scheme w4a16, rollout.decode=graphs (CUDA graphs of the static step,
                grouped W4A16 expert kernels)
     bf16       rollout.weights=bf16, decode=graphs (torch._grouped_mm experts)
@@ -39,6 +39,9 @@ import os
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from seeded_weights import sync_seeded  # noqa: E402
 
 QWEN3_30B_SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
                        ffn_hidden_size=6144, num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
@@ -136,14 +139,25 @@ def build_engine(a, layers: int, engine: str, max_batch: int):
     from megatron_qrl.rollout.embedded import EmbeddedEngine
 
     seed_everything(a.seed)               # every engine initialises the same weights
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()   # the peak of this build (the engines before it are freed)
     eng = EmbeddedEngine(make_cfg(a, layers, engine, max_batch), kernels="on" if a.tiny else None)
     if engine in LORA_ENGINES:
         nonzero_adapters(eng.model, a.seed)
     t0 = time.perf_counter()
-    eng.sync_from_model(eng.model, version=0)
+    sync_seeded(eng, a.seed)              # the FP4 kernels' weights have no dense copy to sync from
     _sync()
+    mem = ""
+    if eng.device.type == "cuda":
+        import torch
+
+        mem = (f", GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+               f"(peak {torch.cuda.max_memory_allocated() / 2**30:.1f})")
     print(f"[bench] {layers} layers {engine}: built, weight sync {time.perf_counter() - t0:.1f} s, "
-          f"decode={eng.decode_mode}, kernels={eng.kernels is not None}", file=sys.stderr, flush=True)
+          f"decode={eng.decode_mode}, kernels={eng.kernels is not None}, packed-only weights "
+          f"{len(eng.store.packed_only)}{mem}", file=sys.stderr, flush=True)
     return eng
 
 

@@ -19,6 +19,9 @@
 #   block32   48 layers, batch 256, FP4: the decode step on 32-row expert blocks above 8 assignments per expert
 #             (bench_rollout --moe-block32-from 8), then the default, each in a process of its own (BLOCK32_FROM:
 #             the thresholds to run, "8 0"; 0 is the default)
+#   attnb1    batch-1 attention (latency-bound) against its split knobs: --shapes B1_SHAPES, KV_B1_CONFIGS
+#   lean48    48 layers, FP4 only, batches LEAN48_BATCHES (64,256): the engine without dense copies of its FP4
+#             weights (fits an 80 GB H100), floor at HBM_TBS TB/s (default 4.0, the issue's H200 figure)
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,5 +101,17 @@ if part block32; then
       --engines fp4 --reps 2 --moe-block32-from $from 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
   done
 fi
-cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop attn moeblocks block32_* tests_gpu.txt copy_probe.txt \
-  graph_launch.json genprof_*.txt 2>/dev/null) && rm -rf roll4 roll48 kv over loop attn moeblocks block32_*
+if part attnb1; then
+  B1="${KV_B1_CONFIGS:-default:min_blocks=2:min_blocks=8:programs_per_sm=8:prefetch=2:fused_merge=1,merge_round=8}"
+  OUT=$O/attnb1 SKIP_TESTS=1 BENCH_TIMEOUT="${T_ATTNB1:-150}" bash tools/gpu_kv_attention.sh \
+    --shapes "${B1_SHAPES:-1x4096,1x8192,1x16384}" --heads 32/4,32/8 --rep-ms 10 --nvfp4-configs "$B1" \
+    --fp8-configs "$B1" 2>&1 | grep "^| \|NOT MET\|met\|exit code" | tail -14
+fi
+if part lean48; then
+  OUT=$O/lean48 BENCH_TIMEOUT="${T_LEAN48:-240}" bash tools/gpu_rollout.sh --layers 48 \
+    --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" 2>&1 \
+    | grep -v "top kernels" | tail -14
+  grep "GPU memory" "$O/lean48/bench_rollout.log"
+fi
+cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop attn attnb1 lean48 moeblocks block32_* tests_gpu.txt copy_probe.txt \
+  graph_launch.json genprof_*.txt 2>/dev/null) && rm -rf roll4 roll48 kv over loop attn attnb1 lean48 moeblocks block32_*

@@ -35,7 +35,8 @@ class DenseFP4Linear:
         self.width = lin.site.k_total           # the input width (TP = 1: the whole K)
         # nvfp4_global_scale's divisor, made once: a tensor built inside a CUDA graph capture would be a
         # host->device copy, and dividing by a Python scalar may round differently on CUDA (its docstring)
-        dev = next(t for t in (*lin.parameters(), *lin.buffers()) if t.numel()).device
+        # (the weight's device: a packed-only weight keeps an empty tensor on it, EmbeddedEngine._free_dense_copies)
+        dev = next((t for t in (*lin.parameters(), *lin.buffers()) if t.numel()), lin.weight).device
         self._divisor = torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=dev)
         # 0 and 1 for torch.where, made once: a Python scalar or ones_like fills a fresh device tensor per call
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)

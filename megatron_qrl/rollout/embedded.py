@@ -83,6 +83,8 @@ class EmbeddedEngine:
         dtype = next(self.model.parameters()).dtype
         self.kernels = (KernelLinears(self.model, set(quantized), ro.weights, self.scheme == "w4a4")
                         if kernels_wanted(kernels, self.device, dtype, ro.weights) else None)
+        if self.kernels is not None:
+            self._free_dense_copies(self.kernels.packed_weights())
         mc = self.model.config
         self.max_batch_size = max_batch_size or ro.max_batch_size
         self.max_tokens_per_step = max_tokens_per_step
@@ -128,6 +130,14 @@ class EmbeddedEngine:
                 lin.quant = OFF
         return quantized
 
+    def _free_dense_copies(self, names: set[str]) -> None:
+        """The kernels read these weights packed: their parameters keep no storage (an empty tensor, so a
+        stray dense read fails on its shape instead of computing with stale values)."""
+        self.store.keep_packed_only(names)
+        for name, p in self.model.named_parameters():
+            if name in names:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
     # ------------------------------------------------------------------------------------- weights
     def update_weights(self, weights: Mapping[str, Payload], version: int, hashes: Mapping[str, str]) -> None:
         """Digest-checked, all-or-nothing weight install (see WeightStore.stage)."""
@@ -154,6 +164,10 @@ class EmbeddedEngine:
     def sync_from_model(self, source: torch.nn.Module, version: int) -> dict[str, str]:
         """Pack `source`'s weights (an unsharded trainer model) with the codec and install them; returns digests."""
         chunks = source if isinstance(source, (list, tuple)) else [source]
+        if self.store.packed_only and any(c is self.model for c in chunks):
+            raise ValueError("the engine's own model holds no values for the FP4 weights its kernels read packed "
+                             "(EmbeddedEngine._free_dense_copies); sync from the trainer's model, or see "
+                             "tools/seeded_weights.py for random weights")
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         weights, hashes = pack_state(named, self.format, lambda n: n in self.store.quantized)
         self.update_weights(weights, version, hashes)
@@ -307,7 +321,8 @@ class EmbeddedEngine:
         if not self.released:
             return
         for name, p in self.model.named_parameters():
-            p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
+            shape = (0,) if name in self.store.packed_only else self._param_shapes[name]
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
         self.store.materialize()
         if self.kernels is not None:
             self.kernels.prepare(self.store)
@@ -321,7 +336,8 @@ class EmbeddedEngine:
             "kv_cache_packed": self.cache.packed, "memory": "released" if self.released else "resident",
             "weight_store_bytes": self.store.nbytes(), "kv_cache_bytes": self.cache.nbytes(),
             "max_batch_size": self.max_batch_size, "trace_layers": list(self.trace_layers),
-            "fp4_kernels": self.kernels is not None, "decode": self.decode_mode,
+            "fp4_kernels": self.kernels is not None, "packed_only_weights": len(self.store.packed_only),
+            "decode": self.decode_mode,
             "graphs_captured": self._static_loop.graphs.captures if self._static_loop is not None else 0,
             "graph_failure": self._static_loop.graphs.failure if self._static_loop is not None else None,
             "graph_capture_s": self._static_loop.graphs.capture_s if self._static_loop is not None else 0.0,

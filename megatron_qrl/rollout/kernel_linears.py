@@ -13,7 +13,9 @@ forced with `EmbeddedEngine(kernels="on")` / QRL_ROLLOUT_KERNELS=on, e.g. under 
   the W4A16 kernels. The fc2 input is the SwiGLU output times the router probability (Megatron's order),
   quantized per expert as well. Cached layers capture one `GroupedCaptureRecord` per layer and role.
 `prepare` rebuilds the prepared weights from the WeightStore's synced FP4 payloads (never per call).
-The dense parameters keep their dequantized values (the reference path, release/resume unchanged).
+The parameters of those weights (`packed_weights`) hold no storage: the engine frees them, so an FP4 engine
+holds its linears once in FP4 (and once more as the store's synced payloads), never as a dequantized BF16 copy
+(48 layers of the Qwen3-30B-A3B shape: ~58 GB of BF16 expert weights).
 """
 from __future__ import annotations
 
@@ -173,6 +175,15 @@ class KernelLinears:
             lin._forward_impl = _bound(lin)
         for name, runner in self.grouped.items():
             runner.mlp.forward = runner
+
+    def packed_weights(self) -> set[str]:
+        """The parameter names only the kernels read (their prepared FP4 form): every dense linear bound here
+        and both projections of every expert of the grouped MLPs."""
+        names = set(self.dense)
+        for name, runner in self.grouped.items():
+            names.update(f"{name}.local_experts.{j}.linear_fc{i}.weight"
+                         for j in range(runner.mlp.num_local_experts) for i in (1, 2))
+        return names
 
     def prepare(self, store) -> None:
         """(Re)build every prepared weight from the store's synced payloads: once per weight sync. Weights

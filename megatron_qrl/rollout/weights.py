@@ -72,14 +72,14 @@ class WeightStore:
 
     `stage` validates an update completely (known names, a digest per payload that matches its bytes,
     shapes, formats) before anything is written, so a refused update leaves the store untouched.
-    `materialize` writes the dequantized values into the engine model's parameters; on CPU that is the
-    only execution path (dequantize once per update into the compute dtype). This is the seam for a GPU
-    W4A16 kernel: a materializer that keeps `packed`/`scales` on the device and swaps the linear's GEMM
-    instead of writing dequantized weights.
+    `materialize` writes the dequantized values into the engine model's parameters; without the FP4 kernels
+    that is the only execution path (dequantize once per update into the compute dtype). Weights the kernels
+    read in packed form (`keep_packed_only`) are never dequantized: the engine holds no dense copy of them.
     """
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], quantized: Iterable[str], fmt: str):
         self.params = dict(params)
+        self.shapes = {name: p.shape for name, p in self.params.items()}   # kept when a parameter's storage goes
         self.quantized = set(quantized)
         unknown = self.quantized - set(self.params)
         if unknown:
@@ -88,6 +88,15 @@ class WeightStore:
         self.entries: dict[str, Payload] = {}
         self.digests: dict[str, str] = {}
         self.version = -1
+        self.packed_only: set[str] = set()   # read only in packed form (the FP4 kernels): never dequantized
+
+    def keep_packed_only(self, names: Iterable[str]) -> None:
+        """Stop dequantizing `names` into their parameters (the engine frees those parameters' storage)."""
+        names = set(names)
+        unknown = names - self.quantized
+        if unknown:
+            raise ValueError(f"only FP4 weights can be kept packed-only; not quantized: {sorted(unknown)[:3]}")
+        self.packed_only = names
 
     def stage(self, weights: Mapping[str, Payload], hashes: Mapping[str, str]) -> dict[str, Payload]:
         """Check an update; returns the payloads to install (plain tensors for FP4 sites get packed)."""
@@ -103,8 +112,8 @@ class WeightStore:
             if problem is not None:
                 problems.append(problem)
                 continue
-            if tuple(payload.shape) != tuple(param.shape):
-                problems.append(f"'{name}': shape {tuple(payload.shape)} != model {tuple(param.shape)}")
+            if tuple(payload.shape) != tuple(self.shapes[name]):
+                problems.append(f"'{name}': shape {tuple(payload.shape)} != model {tuple(self.shapes[name])}")
                 continue
             if isinstance(payload, FP4Tensor) and name not in self.quantized:
                 problems.append(f"'{name}': FP4 payload for a parameter the engine keeps in high precision")
@@ -134,9 +143,12 @@ class WeightStore:
         self.version = version
 
     def materialize(self, names: Optional[Iterable[str]] = None) -> None:
-        """Write dequantized (or plain) values into the model parameters, in each parameter's dtype."""
+        """Write dequantized (or plain) values into the model parameters, in each parameter's dtype (not the
+        packed-only ones)."""
         with torch.no_grad():
             for name in (self.entries if names is None else names):
+                if name in self.packed_only:
+                    continue
                 param, payload = self.params[name], self.entries[name]
                 value = payload.dequantize(param.dtype) if isinstance(payload, FP4Tensor) else payload
                 param.copy_(value.to(device=param.device, dtype=param.dtype))
