@@ -307,6 +307,8 @@ def packed_decode_attention(q: torch.Tensor, keys: PackedKV, values: PackedKV, s
     if gluon_ok and (kernel == "gluon" or (kernel == "auto" and (keys.fmt == "fp4"
                                                                  or bsz * hkv >= kv_decode_gluon.FP8_MIN_PAIRS))):
         tile = block_s or kv_decode_gluon.TILE
+        if num_splits is None and programs_per_sm is None and min_blocks is None:
+            num_splits = kv_decode_gluon.small_grid_splits(bsz, hkv, max_len, _sm_count(q.device), tile)
         if num_splits is None:
             num_splits = split_count(bsz, hkv, max_len, tile, _sm_count(q.device),
                                      programs_per_sm or kv_decode_gluon.PROGRAMS_PER_SM,

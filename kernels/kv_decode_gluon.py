@@ -55,7 +55,8 @@ HEADS = 8            # query heads per KV head, padded: the MMA's N
 # the trips per split
 PROGRAMS_PER_SM = 4   # one-warp programs: split target for kv_decode_attention.split_count
 MIN_TILES = 16        # ... but a split keeps at least this many TILE steps
-SMALL_GRID_MIN_TILES = 4  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
+SMALL_GRID_MIN_TILES = 2  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
+SMALL_GRID_ROUND_DOWN = True  # ... and there about PROGRAMS_PER_SM programs per SM, rounded down (small_grid_splits)
 LOG2E = math.log2(math.e)
 # FP8 takes this kernel by default from this many (row, KV head) pairs (docs/PERF.md: at 64 pairs, 32/4 heads x
 # batch 16, 1.12x the Triton kernel on an H200 and 1.02x on an H100; 0.9x at 4 pairs on both); kernel="gluon"
@@ -112,12 +113,28 @@ except Exception:  # pragma: no cover - an old Triton: packed_decode_attention k
     HAVE_GLUON = False
 
 
+def _small_grid(batch: int, kv_heads: int, max_len: int, sms: int, tile: int) -> bool:
+    """Would 16-trip splits leave fewer than 2 programs per SM?"""
+    return batch * kv_heads * triton.next_power_of_2(triton.cdiv(max_len, tile * MIN_TILES)) < 2 * sms
+
+
 def default_min_tiles(batch: int, kv_heads: int, max_len: int, sms: int, tile: int = TILE) -> int:
     """Trips per split: 16 (the ring fills once per program, so long programs win: 32/4 heads, batch 16: 37.6 us
     at 8 splits against 39.8 at 16), unless 16-trip splits leave fewer than 2 programs per SM (batch 1: 15.7 us
     at 64 splits against 27.1 at 16)."""
-    splits_at_min = triton.next_power_of_2(triton.cdiv(max_len, tile * MIN_TILES))
-    return MIN_TILES if batch * kv_heads * splits_at_min >= 2 * sms else SMALL_GRID_MIN_TILES
+    return SMALL_GRID_MIN_TILES if _small_grid(batch, kv_heads, max_len, sms, tile) else MIN_TILES
+
+
+def small_grid_splits(batch: int, kv_heads: int, max_len: int, sms: int, tile: int = TILE) -> int | None:
+    """Splits per (row, KV head) where 16-trip splits leave SMs idle (None elsewhere: split_count's rule): about
+    PROGRAMS_PER_SM programs per SM rounded down to a power of two, each of at least SMALL_GRID_MIN_TILES trips.
+    H100, batch 1, 32/4 heads, us at 4k / 8k / 16k: 9.0 / 10.1 / 12.0 with split_count's rule (round up, 4 trips),
+    8.1 / 9.1 / 12.0 this way; 32/8 heads at 16k 17.1 -> 16.5 (docs/PERF.md, 2026-12-07 fourth session)."""
+    if not SMALL_GRID_ROUND_DOWN or not _small_grid(batch, kv_heads, max_len, sms, tile):
+        return None
+    want = max(1, PROGRAMS_PER_SM * sms // (batch * kv_heads))
+    want = 1 << (want.bit_length() - 1)                                   # a power of two, rounded down
+    return max(1, min(want, triton.next_power_of_2(triton.cdiv(max_len, tile * SMALL_GRID_MIN_TILES))))
 
 
 def default_prefetch(tile: int) -> int:

@@ -241,10 +241,20 @@ def test_gluon_fp8_runs_with_its_ring_only():
 def test_gluon_splits_take_16_trips_unless_the_grid_would_leave_sms_idle():
     from megatron_qrl.kernels import kv_decode_gluon as kg
     assert kg.default_min_tiles(16, 4, 4096, 132) == 16       # 64 (row, head) pairs x 8 splits: 512 programs
-    assert kg.default_min_tiles(1, 8, 8192, 132) == 4         # 8 pairs x 16 splits = 128 < 2 per SM
+    assert kg.default_min_tiles(1, 8, 8192, 132) == 2         # 8 pairs x 16 splits = 128 < 2 per SM
     assert split_count(16, 4, 4096, 32, 132, kg.PROGRAMS_PER_SM, kg.default_min_tiles(16, 4, 4096, 132)) == 8
-    assert split_count(1, 4, 8192, 32, 132, kg.PROGRAMS_PER_SM, kg.default_min_tiles(1, 4, 8192, 132)) == 64
     assert split_count(128, 8, 4096, 32, 132, kg.PROGRAMS_PER_SM, kg.default_min_tiles(128, 8, 4096, 132)) == 1
+    # small grids: ~4 programs per SM rounded down (512 on 132 SMs), >= 2 trips of 32 positions each
+    assert kg.small_grid_splits(16, 4, 4096, 132) is None                 # a full grid: split_count's rule
+    for (b, hkv, s), want in {(1, 4, 4096): 64, (1, 4, 8192): 128, (1, 4, 16384): 128, (1, 8, 4096): 64,
+                              (1, 8, 16384): 64, (2, 4, 8192): 64, (1, 4, 100): 2}.items():
+        assert kg.small_grid_splits(b, hkv, s, 132) == want, (b, hkv, s)
+
+
+def test_gluon_small_grid_rule_is_one_switch(monkeypatch):
+    from megatron_qrl.kernels import kv_decode_gluon as kg
+    monkeypatch.setattr(kg, "SMALL_GRID_ROUND_DOWN", False)
+    assert kg.small_grid_splits(1, 4, 8192, 132) is None                  # the round-up rule of split_count
 
 
 def test_split_count_fills_the_gpu_and_stays_static():

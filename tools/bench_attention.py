@@ -64,7 +64,9 @@ def sweep(fmt: str, mode: str) -> list[dict]:
 
 
 MODULE_KNOBS = {"merge_round": "MERGE_ROUND", "ring_masks": "RING_MASKS", "ring_stages": "RING_STAGES",
-                "vector_stores": "VECTOR_STORES", "q_vector_loads": "Q_VECTOR_LOADS"}   # config key -> kv_decode_gluon name
+                "vector_stores": "VECTOR_STORES", "q_vector_loads": "Q_VECTOR_LOADS",
+                "small_grid_min_tiles": "SMALL_GRID_MIN_TILES", "small_grid_round_down": "SMALL_GRID_ROUND_DOWN"}
+# (config key -> kv_decode_gluon name)
 
 
 def with_module_knobs(cfg: dict, fn):
@@ -88,7 +90,8 @@ def config_name(cfg: dict) -> str:
     short = {"block_s": "bs", "num_warps": "w", "num_stages": "s", "programs_per_sm": "pps", "min_blocks": "mb",
              "decode": "", "kernel": "", "prefetch": "pf", "fused_merge": "fm", "merge_round": "mr",
              "ring_masks": "rm", "ring_stages": "rs",
-             "vector_stores": "vs", "q_vector_loads": "qv"}
+             "vector_stores": "vs", "q_vector_loads": "qv", "small_grid_min_tiles": "sgt",
+             "small_grid_round_down": "sgd"}
     return "/".join(f"{short.get(k, k)}{v if isinstance(v, str) else int(v)}" for k, v in cfg.items())
 
 
