@@ -219,15 +219,15 @@ GEMV_MAX_PER_EXPERT = 1.0
 # 16-row blocks while routed experts average at most this many assignments, then 32-row blocks (up to 48).
 # H100, 2026-12-07 (tools/bench_kernels.py --configs blocks): at 8 per expert 16-row blocks 166.3 us against
 # 174.4 with 32 rows; at 16 per expert 32-row blocks 182.7 us against 204.7 (the 24-layer decode step at batch
-# 256: 6.53 ms against 7.11); the crossover between them was not measured
+# 256: 6.53 ms against 7.11); at 12 per expert 16-row blocks 172.3 us against 175.7 (fourth session): the
+# crossover lies between 12 and 16
 BLOCK16_MAX_PER_EXPERT = 12.0
 # 32-row gate/up blocks with the 16-row blocks' 128-wide K steps and the fp16 operand converted once (x_pre),
 # instead of 256-wide steps (139 registers, 84 KB of shared memory: 2 programs per SM) on bf16 x, up to this many
 # assignments per expert (0: never): one block per expert where 16-row blocks spill half the experts into a
-# second block that dequantizes the same weights again. H100: at 16 per expert (above), and at 32 per expert
-# (T = 512) 249.6 us against 287.0 with the 256-wide steps (2026-12-07, fourth session); above 32 the 256-wide
-# steps stay until the narrow ones are timed there
-BLOCK32_NARROW_K_MAX_PER_EXPERT = 32.0
+# second block that dequantizes the same weights again. H100 (2026-12-07, fourth session), against the 256-wide
+# steps: 182.7 / 204.7 us at 16 per expert, 249.6 / 287.0 at 32, 343.3 / 387.9 at 48 -- the whole 32-row range
+BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,

@@ -650,11 +650,13 @@ def test_moe_block32_narrow_k_heuristic(monkeypatch):
     per-expert reference's MLP."""
     from megatron_qrl.kernels import moe_grouped_gemm as mg
 
-    wide = heuristic_moe_config(40 * 128, 128, 768, 2048, True)                       # above the bound
-    assert (wide.block_m, wide.block_k, wide.x_pre) == (32, 256, False)
-    for per_expert in (16, 32):                                                       # batch 256 / 512, top-8
+    for per_expert in (16, 32, 48):                                                   # batch 256 / 512 / 768, top-8
         narrow = heuristic_moe_config(per_expert * 128, 128, 768, 2048, True)
         assert (narrow.block_m, narrow.block_k, narrow.x_pre) == (32, 128, True), per_expert
+    assert heuristic_moe_config(49 * 128, 128, 768, 2048, True).block_m == 64
+    monkeypatch.setattr(mg, "BLOCK32_NARROW_K_MAX_PER_EXPERT", 32.0)
+    wide = heuristic_moe_config(40 * 128, 128, 768, 2048, True)                       # above the bound
+    assert (wide.block_m, wide.block_k, wide.x_pre) == (32, 256, False)
     assert heuristic_moe_config(12 * 128, 128, 768, 2048, True).block_m == 16
     monkeypatch.setattr(mg, "BLOCK32_NARROW_K_MAX_PER_EXPERT", 0.0)
     assert heuristic_moe_config(16 * 128, 128, 768, 2048, True).block_k == 256        # off: wide K steps
