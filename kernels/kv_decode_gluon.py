@@ -52,7 +52,7 @@ HEAD_DIM = 128
 HEADS = 8            # query heads per KV head, padded: the MMA's N
 # defaults: tools/bench_attention.py's sweeps on an H100, 2026-12-06 (docs/PERF.md): code words and scales
 # through the cp.async ring (prefetch 3; 2 below 32-position trips) with long splits; `default_min_tiles` picks
-# the trips per split
+# the trips per split, `small_grid_splits` the split count where long splits would leave SMs idle
 PROGRAMS_PER_SM = 4   # one-warp programs: split target for kv_decode_attention.split_count
 MIN_TILES = 16        # ... but a split keeps at least this many TILE steps
 SMALL_GRID_MIN_TILES = 2  # ... or this many where 16-trip splits leave fewer than 2 programs per SM
