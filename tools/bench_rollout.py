@@ -151,8 +151,6 @@ def build_engine(a, layers: int, engine: str, max_batch: int):
     _sync()
     mem = ""
     if eng.device.type == "cuda":
-        import torch
-
         mem = (f", GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
                f"(peak {torch.cuda.max_memory_allocated() / 2**30:.1f})")
     print(f"[bench] {layers} layers {engine}: built, weight sync {time.perf_counter() - t0:.1f} s, "

@@ -46,7 +46,6 @@ def sync_seeded(engine, seed: int = 0, std: float = 0.02, version: int = 0) -> d
                 prepacked[name] = pack_weight(value, engine.format)
             else:
                 p.copy_(value)
-            del value
     weights, hashes = pack_state(list(model.named_parameters()), engine.format,
                                  lambda n: n in store.quantized, prepacked)
     engine.update_weights(weights, version, hashes)
