@@ -349,15 +349,20 @@ def _active_rows(engine, batch: int, a):
     return loop, bucket, saved, SamplingParams(temperature=0.0, max_new_tokens=a.new_tokens)
 
 
-def graph_step_ms(engine, batch: int, a, steps: int = 32) -> float:
+def graph_step_ms(engine, batch: int, a, steps: int = 32, temperature: float = 0.0) -> float:
     """Median-free mean time of one replay of the decode-step graph of `batch` rows, measured with CUDA events
-    over `steps` back-to-back replays (rows active from position prompt_len); the rows' state is restored."""
+    over `steps` back-to-back replays (rows active from position prompt_len); the rows' state is restored.
+    temperature > 0: the sampling step's graph (captured on its first use) instead of the greedy one."""
+    import dataclasses
+
     import torch
 
     rows = _active_rows(engine, batch, a)
     if rows is None:
         return float("nan")
     loop, bucket, saved, params = rows
+    if temperature > 0:
+        params = dataclasses.replace(params, temperature=temperature)
     st = loop.state
     loop.graphs.run(bucket, params)                       # captured during the timed generates; warm
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -607,8 +612,13 @@ def run(a) -> dict:
                 ps = prompts_for(a, vocab, a.overheads, g)
                 greedy, _ = decode_rate(lambda p, n: time_engine(eng, p, n), ps, a)
                 sampled, _ = decode_rate(lambda p, n: time_engine(eng, p, n, temperature=1.0), ps, a)
+                # the captured steps too: the generate() rates carry the host's jitter, the graphs do not
+                step_g = graph_step_ms(eng, a.overheads, a)
+                step_s = graph_step_ms(eng, a.overheads, a, temperature=1.0)
                 res["overheads"]["sampling_vs_greedy"] = {"batch": a.overheads, "greedy": greedy, "sampled": sampled,
-                                                          "slowdown": greedy / sampled - 1}
+                                                          "slowdown": greedy / sampled - 1,
+                                                          "step_greedy_ms": step_g, "step_sampled_ms": step_s,
+                                                          "step_slowdown": step_s / step_g - 1}
             free(eng)
             eng = None
         if "hf" in a.engines and layers <= HF_MAX_LAYERS:
