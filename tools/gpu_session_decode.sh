@@ -25,9 +25,7 @@
 #   moetiles  the grouped expert kernel at T = MOE_TOKENS (512,256,128,64): the heuristic against 2-8 weight tiles
 #             per program (tools/bench_kernels.py --configs tiles)
 #   tiles48   48 layers, FP4 only, batches LEAN48_BATCHES: the decode step at each GATE,DOWN tiles per program in
-#             TILES48 ("1,1 4,4"; "auto": 1,1 and moetiles' fastest at T = 256; bench_rollout --moe-tiles), each
-#             in a process of its own (TILES48_ARGS: more
-#             bench_rollout arguments, e.g. --profile 256; TILES48_TAIL: report lines shown)
+#             TILES48 ("1,1 4,4"; bench_rollout --moe-tiles), each in a process of its own
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,26 +104,10 @@ if part moetiles; then
     --moe-tokens "${MOE_TOKENS:-512,256,128,64}" --configs tiles --rep-ms 40 2>&1 | grep "moe T=\|exit code\|passed\|failed" | tail -64
 fi
 if part tiles48; then
-  T48="${TILES48:-1,1 4,4}"
-  if [ "$T48" = auto ]; then   # the one-tile default against moetiles' fastest tiles at T = 256 (batch 32 x top-8)
-    T48="1,1 $(python3 - "$O/moetiles/bench_kernels.jsonl" <<'PY'
-import json, re, sys
-best = "4,4"
-for line in open(sys.argv[1]):
-    row = json.loads(line)
-    if row.get("kind") == "moe" and row.get("T") == 256 and row.get("best"):
-        gu, dn = row["best"]["config"].split(" dn ")
-        t = [re.search(r"/t(\d+)", p) for p in (gu, dn)]
-        best = ",".join(m.group(1) if m else "1" for m in t)
-print(best)
-PY
-)"
-    echo "tiles48: $T48"
-  fi
-  for t in $T48; do
+  for t in ${TILES48:-1,1 4,4}; do
     OUT=$O/tiles48_${t/,/_} BENCH_TIMEOUT="${T_TILES48:-150}" bash tools/gpu_rollout.sh --layers 48 \
-      --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" --moe-tiles $t \
-      ${TILES48_ARGS:-} 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -${TILES48_TAIL:-8}
+      --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" --moe-tiles $t 2>&1 \
+      | grep -v "^\[bench\]\|top kernels" | tail -8
   done
 fi
 if part block32; then
