@@ -85,28 +85,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> Mo
 # ----------------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------------
-@triton.jit
-def _moe_epilogue(acc, acc_u, y_ptr, topk_w_ptr, rows, assign, valid, offs_n, n_mask, gs, acc_factor, stride_ym,
-                  GATED: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr, OUT_SCALED: tl.constexpr):
-    """Store one [BLOCK_N, BLOCK_M] output tile: silu(gate) * up in sorted row order (GATED), else the router-
-    weighted rows at their (token, slot) index."""
-    if FP16:
-        acc = acc * (gs * acc_factor)
-        if GATED:
-            acc_u = acc_u * (gs * acc_factor)
-    if GATED:
-        out = acc / (1.0 + tl.exp(-acc)) * acc_u                 # silu(gate) * up, fp32
-        if OUT_SCALED:                                         # the down projection's fp16 operand
-            out = out * (1.0 / 256.0)
-        y_ptrs = y_ptr + rows.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
-    else:
-        tw = tl.load(topk_w_ptr + assign, mask=valid, other=0.0).to(tl.float32)
-        out = acc * tw[None, :]
-        y_ptrs = y_ptr + assign.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
-
-
 @triton.jit(do_not_specialize=["n_assign"])
 def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
                      N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
@@ -114,18 +92,13 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
-                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, TILES: tl.constexpr = 1,
-                     K_TRIPS: tl.constexpr = 0):
+                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False):
     """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
     not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
     X_PRE: x is already the fp16 operand x * 2^-8; OUT_SCALED: store y * 2^-8 (fp16), the down
-    projection's ready-made operand. W_TMA: w_ptr is a TensorDescriptor over the [E, rows, K/2] codes with block [1, BLOCK_N,
-    BLOCK_K/2] (gate rows past N then read up rows, whose columns are never stored).
-    TILES: weight-row tiles per program, walked in one flat loop of TILES * K / BLOCK_K trips so the software
-    pipeline runs on across the tile boundary instead of filling again for every tile (fewer, longer programs;
-    the epilogue stores a tile after its last trip). K_TRIPS = K / BLOCK_K (TILES > 1): a constant, so the
-    trip's tile and K step come from a multiply, not an integer division."""
+    projection's ready-made operand. W_TMA: w_ptr is a TensorDescriptor over the [E, rows, K/2] codes with
+    block [1, BLOCK_N, BLOCK_K/2] (gate rows past N then read up rows, whose columns are never stored)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -141,7 +114,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
         x_row = assign // TOP_K
     else:
         x_row = rows
-    offs_n = pid_n * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     kk = tl.arange(0, HALF)
     k_lo = (kk // 16) * 32 + (kk % 16)
     ks = tl.arange(0, SB)
@@ -158,56 +132,50 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     x_mask = valid[:, None]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = acc
     if GATED:
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if W_TMA:
             wu_rows = w_ptr
         else:
             wu_rows = w_rows + N.to(tl.int64) * stride_wn
         su_rows = s_rows + N.to(tl.int64) * stride_sn
-    if TILES == 1:
-        n_trips = K // BLOCK_K
-    else:
-        n_trips = TILES * K_TRIPS
-    for it in range(0, n_trips):
-        if TILES == 1:
-            t = it
-            n0 = 0
-        else:
-            tile = it // K_TRIPS
-            t = it - tile * K_TRIPS
-            n0 = tile * BLOCK_N                 # this tile's first row past the program's first
-        n_mask = (offs_n + n0) < N
+    for t in range(0, K // BLOCK_K):
         k0 = t * BLOCK_K
         x_lo = _prep_x(tl.load(x_rows + k0, mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
         x_hi = _prep_x(tl.load(x_rows + (k0 + 16), mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
         if W_TMA:
-            b = tl.reshape(w_rows.load([expert, pid_n * (TILES * BLOCK_N) + n0, t * HALF]), (BLOCK_N, HALF))
+            b = tl.reshape(w_rows.load([expert, pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
         else:
-            b = tl.load(w_rows + n0 * stride_wn + t * HALF, mask=n_mask[:, None], other=0)
-        sb = tl.load(s_rows + n0 * stride_sn + t * SB, mask=n_mask[:, None], other=0)
+            b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
+        sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
         w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
         acc = _mma(w_lo, x_lo, acc, True, DOT_F32)
         acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
         if GATED:
             if W_TMA:
-                bu = tl.reshape(wu_rows.load([expert, N + pid_n * (TILES * BLOCK_N) + n0, t * HALF]),
-                                (BLOCK_N, HALF))
+                bu = tl.reshape(wu_rows.load([expert, N + pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
             else:
-                bu = tl.load(wu_rows + n0 * stride_wn + t * HALF, mask=n_mask[:, None], other=0)
-            sbu = tl.load(su_rows + n0 * stride_sn + t * SB, mask=n_mask[:, None], other=0)
+                bu = tl.load(wu_rows + t * HALF, mask=n_mask[:, None], other=0)
+            sbu = tl.load(su_rows + t * SB, mask=n_mask[:, None], other=0)
             u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
             acc_u = _mma(u_lo, x_lo, acc_u, True, DOT_F32)
             acc_u = _mma(u_hi, x_hi, acc_u, True, DOT_F32)
-        if TILES > 1:
-            if t == K_TRIPS - 1:
-                _moe_epilogue(acc, acc_u, y_ptr, topk_w_ptr, rows, assign, valid, offs_n + n0, n_mask, gs,
-                              acc_factor, stride_ym, GATED, FP16, DOT_F32, OUT_SCALED)
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                acc_u = acc
-    if TILES == 1:
-        _moe_epilogue(acc, acc_u, y_ptr, topk_w_ptr, rows, assign, valid, offs_n, offs_n < N, gs, acc_factor,
-                      stride_ym, GATED, FP16, DOT_F32, OUT_SCALED)
+
+    if FP16:
+        acc = acc * (gs * acc_factor)
+        if GATED:
+            acc_u = acc_u * (gs * acc_factor)
+    if GATED:
+        out = acc / (1.0 + tl.exp(-acc)) * acc_u                 # silu(gate) * up, fp32
+        if OUT_SCALED:
+            out = out * (1.0 / 256.0)
+        y_ptrs = y_ptr + rows.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
+    else:
+        tw = tl.load(topk_w_ptr + assign, mask=valid, other=0.0).to(tl.float32)
+        out = acc * tw[None, :]
+        y_ptrs = y_ptr + assign.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,7 +197,6 @@ class MoEConfig:
     #                           block_n = weight rows per program, split over num_warps warps (1, 2, 4: one
     #                           x tile for all), num_stages = its cp.async code ring, block_k = 128; any other
     #                           call runs the Triton kernel instead
-    tiles: int = 1            # tensor-core kernel: block_n-row weight tiles per program, one flat pipelined loop
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -261,10 +228,6 @@ BLOCK16_MAX_PER_EXPERT = 12.0
 # second block that dequantizes the same weights again. H100 (2026-12-07, fourth session), against the 256-wide
 # steps: 182.7 / 204.7 us at 16 per expert, 249.6 / 287.0 at 32, 343.3 / 387.9 at 48 -- the whole 32-row range
 BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
-# weight tiles per program of the tensor-core kernel (MoEConfig.tiles) for gate/up and for down: 1 (one tile, a
-# pipeline fill per tile) until tools/bench_kernels.py --configs tiles has measured more on an H100 / H200
-GATE_UP_TILES = 1
-DOWN_TILES = 1
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -292,8 +255,7 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     narrow_k = bm == 16 or (bm == 32 and (not gated or block32_narrow))
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
-    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4",
-                     tiles=GATE_UP_TILES if gated else DOWN_TILES)
+    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4")
 
 
 def converts_input(cfg: MoEConfig, fmt: str) -> bool:
@@ -304,8 +266,6 @@ def converts_input(cfg: MoEConfig, fmt: str) -> bool:
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
     """x: bf16 activations, or (fp16 path) the fp16 operand x * 2^-8; y: bf16, or fp16 for a scaled
     intermediate (gate/up with x_pre)."""
-    if cfg.tiles < 1 or (cfg.tiles > 1 and (cfg.gemv or cfg.gluon)):
-        raise ValueError(f"MoE config tiles={cfg.tiles}: a positive count, and 1 for the GEMV and Gluon kernels")
     n = w.n // 2 if gated else w.n
     k = w.k
     if cfg.gluon:
@@ -325,7 +285,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                                INTERPRET, cfg.asm)
     is_mx = w.fmt == "mxfp4"
     fp16 = cfg.fp16_dot and not is_mx
-    grid = (routing.num_blocks, triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.tiles))
+    grid = (routing.num_blocks, triton.cdiv(n, cfg.block_n))
     use_tma = cfg.tma and tma_compatible(w.qweight) and (cfg.block_k // 2) % 16 == 0   # else pointer loads
     q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if use_tma else w.qweight
     _moe_gemm_kernel[grid](
@@ -336,7 +296,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
         TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
         X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
-        TILES=cfg.tiles, K_TRIPS=k // cfg.block_k if cfg.tiles > 1 else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 

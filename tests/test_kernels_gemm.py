@@ -684,29 +684,6 @@ def test_moe_tma_weight_tiles():
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_moe_weight_tiles_per_program(tma):
-    """Several weight tiles per program (one flat pipelined loop, a store after each tile's last trip) give the
-    one-tile kernel's bits, including a last program whose tiles run past N (F = 96: 3 tiles of 32, so 2 tiles
-    per program leave one masked tile) and the down projection's 4 tiles of 32 rows; tiles > 1 on the GEMV is
-    refused."""
-    seed = _seed()
-    gen = torch.Generator().manual_seed(seed)
-    w13, w2, x, ids, tw = _moe_case("nvfp4", 4, 128, 96, 2, 20, gen)
-
-    def run(tiles):
-        gu = MoEConfig(block_m=16, block_n=32, block_k=64, x_pre=True, tma=tma, tiles=tiles)
-        dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma, tiles=tiles)
-        return moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
-    one = run(1)
-    assert _rel(one, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
-    for tiles in (2, 3, 4):
-        assert torch.equal(run(tiles), one), (tiles, seed)
-    with pytest.raises(ValueError, match="tiles=2"):
-        moe_w4a16(x, w13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=128, num_stages=1,
-                                                                gemv=True, tiles=2))
-
-
 def test_moe_takes_a_precomputed_fp16_operand():
     """x_operand (to_fp16_operand of x, which the decode step's norm writes in its own launch) replaces the
     gate/up conversion launch where the config converts its input, with the same output bits; a config that

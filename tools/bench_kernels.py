@@ -144,7 +144,7 @@ def rel_err(y, ref):
 def dense_configs(dense, fmt, m, n, k, mode, only=""):
     """The default config, plus (mode "all") the autotuner's candidates, optionally only those whose names
     start with one of the comma-separated prefixes in `only` (e.g. "T,V": the two GEMV kernels)."""
-    if mode in ("heuristic", "gluon", "blocks", "tiles"):
+    if mode in ("heuristic", "gluon", "blocks"):
         return [dense.heuristic_config(fmt, m, n, k)]
     cands = dense.candidate_configs(fmt, m, n, k)
     if only:
@@ -189,19 +189,7 @@ def moe_configs(moe, t, mode):
         out += gluon_moe_variants(moe, n_assign)
     if mode in ("blocks", "all") and gu.block_m in (16, 32):
         out += block_variants(moe, n_assign)
-    if mode in ("tiles", "all") and not gu.gemv and not gu.gluon:
-        out += tile_variants(gu, dn)
     return list(dict.fromkeys(out))
-
-
-def tile_variants(gu, dn):
-    """The heuristic's tiles with several weight tiles per program (MoEConfig.tiles: one flat pipelined loop per
-    program instead of a pipeline fill per tile; gate/up has F / block_n = 12 tiles at F = 768, down H / block_n =
-    16 or 32): each projection alone, then both."""
-    out = [(replace(gu, tiles=t), dn) for t in (2, 3, 4, 6)]
-    out += [(gu, replace(dn, tiles=t)) for t in (2, 4, 8)]
-    out += [(replace(gu, tiles=a), replace(dn, tiles=b)) for a, b in ((2, 2), (3, 4), (4, 4))]
-    return out
 
 
 def block_variants(moe, n_assign):
@@ -251,10 +239,9 @@ def moe_config_name(gu, dn) -> str:
     """A bench row's name: kernel, gate/up tiles (block_m x rows x block_k), down tiles."""
     kind = "gemv " if gu.gemv else "gluon " if gu.gluon else ""
     return (f"{kind}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
-            f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
-            f"{f'/t{gu.tiles}' if gu.tiles > 1 else ''} dn "
+            f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
-            f"{'/tma' if dn.tma else ''}{f'/t{dn.tiles}' if dn.tiles > 1 else ''}")
+            f"{'/tma' if dn.tma else ''}")
 
 
 def plan(args):
@@ -674,11 +661,10 @@ def main():
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
-    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks", "tiles"], default="heuristic",
+    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks"], default="heuristic",
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
                     "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
-                    "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; tiles: the "
-                    "heuristic against several weight tiles per program (MoEConfig.tiles)")
+                    "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")

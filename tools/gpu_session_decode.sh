@@ -22,10 +22,6 @@
 #   attnb1    batch-1 attention (latency-bound) against its split knobs: --shapes B1_SHAPES, KV_B1_CONFIGS
 #   lean48    48 layers, FP4 only, batches LEAN48_BATCHES (64,256): the engine without dense copies of its FP4
 #             weights (fits an 80 GB H100), floor at HBM_TBS TB/s (default 4.0, the issue's H200 figure)
-#   moetiles  the grouped expert kernel at T = MOE_TOKENS (512,256,128,64): the heuristic against 2-8 weight tiles
-#             per program (tools/bench_kernels.py --configs tiles)
-#   tiles48   48 layers, FP4 only, batches LEAN48_BATCHES: the decode step at each GATE,DOWN tiles per program in
-#             TILES48 ("1,1 4,4"; bench_rollout --moe-tiles), each in a process of its own
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,17 +95,6 @@ if part moeblocks; then
   OUT=$O/moeblocks SKIP_TESTS=1 BENCH_TIMEOUT="${T_MOEBLOCKS:-150}" bash tools/gpu_kernels.sh --skip-dense \
     --moe-tokens "${MOE_TOKENS:-256,128}" --configs blocks --rep-ms 40 2>&1 | grep "moe T=\|exit code" | tail -20
 fi
-if part moetiles; then
-  OUT=$O/moetiles TEST_K=moe BENCH_TIMEOUT="${T_MOETILES:-220}" bash tools/gpu_kernels.sh --skip-dense \
-    --moe-tokens "${MOE_TOKENS:-512,256,128,64}" --configs tiles --rep-ms 40 2>&1 | grep "moe T=\|exit code\|passed\|failed" | tail -64
-fi
-if part tiles48; then
-  for t in ${TILES48:-1,1 4,4}; do
-    OUT=$O/tiles48_${t/,/_} BENCH_TIMEOUT="${T_TILES48:-150}" bash tools/gpu_rollout.sh --layers 48 \
-      --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" --moe-tiles $t 2>&1 \
-      | grep -v "^\[bench\]\|top kernels" | tail -8
-  done
-fi
 if part block32; then
   for from in ${BLOCK32_FROM:-8 0}; do
     OUT=$O/block32_$from BENCH_TIMEOUT="${T_BLOCK32:-150}" bash tools/gpu_rollout.sh --layers 48 --batches 256 \
@@ -128,5 +113,5 @@ if part lean48; then
     | grep -v "top kernels" | tail -14
   grep "GPU memory" "$O/lean48/bench_rollout.log"
 fi
-cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moetiles tiles48_* block32_* tests_gpu.txt copy_probe.txt \
-  graph_launch.json genprof_*.txt 2>/dev/null) && rm -rf roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moetiles tiles48_* block32_*
+cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop attn attnb1 lean48 moeblocks block32_* tests_gpu.txt copy_probe.txt \
+  graph_launch.json genprof_*.txt 2>/dev/null) && rm -rf roll4 roll48 kv over loop attn attnb1 lean48 moeblocks block32_*

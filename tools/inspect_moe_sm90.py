@@ -69,8 +69,7 @@ def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool
 
 def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = ""):
     """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced; tiles
-    "BNxBKwWsS[tT]", e.g. 64x128w4s3 or 64x128w4s3t4, replaces the heuristic's weight tile, warps, stages and
-    weight tiles per program)."""
+    "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages)."""
     from dataclasses import replace
 
     import megatron_qrl.kernels.moe_grouped_gemm as m
@@ -79,9 +78,8 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = ""):
     n = w.n // 2 if gated else w.n
     cfg = replace(m.heuristic_moe_config(E * block_m, E, n, w.k, gated, "nvfp4", gemv=False), block_m=block_m)
     if tiles:
-        bn, bk, warps, stages, per_program = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:t(\d+))?", tiles).groups()
-        cfg = replace(cfg, block_n=int(bn), block_k=int(bk), num_warps=int(warps), num_stages=int(stages),
-                      tiles=int(per_program or 1))
+        bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
+        cfg = replace(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     nb = 64
     x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
     y = torch.zeros((nb * block_m, n), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
@@ -91,8 +89,7 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = ""):
     vals = [x, q, w.scales, w.global_scale, y, ids, ids[:nb], w.global_scale if gated else torch.zeros(1024),
             n, w.k, 1024, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
             x.stride(0), y.stride(0), FP16_ACC_FACTOR, TOP_K, gated, False, True, block_m, cfg.block_n,
-            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.tiles,
-            w.k // cfg.block_k if cfg.tiles > 1 else 0]
+            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma]
     kw = dict(zip(names, vals))
     return cfg, _compile(m._moe_gemm_kernel, kw, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), False)
 
@@ -135,8 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16-x", action="store_true", help="gate/up on bf16 x (converted in the kernel)")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--triton-tiles", default="", help="Triton configs to compile instead of the heuristic's, "
-                    "comma-separated BNxBKwWsS[tT] (e.g. 64x128w4s3,128x128w8s3,64x128w4s3t4; tT: T weight tiles "
-                    "per program)")
+                    "comma-separated BNxBKwWsS (e.g. 64x128w4s3,128x128w8s3)")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--dump", default="")
     a = ap.parse_args(argv)
@@ -149,7 +145,7 @@ def main(argv=None) -> int:
                 cfg, k = compile_triton(gated, bm, x_pre, tiles)
                 # one trip: block_n rows (x 2 gated) x block_k / 32 groups
                 report(f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                       f"{' tma' if cfg.tma else ''}{f' t{cfg.tiles}' if cfg.tiles > 1 else ''}", k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32,
+                       f"{' tma' if cfg.tma else ''}", k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32,
                        cfg.num_warps, a.dump)
             if a.no_gluon:
                 continue
