@@ -22,6 +22,9 @@
 #   attnb1    batch-1 attention (latency-bound) against its split knobs: --shapes B1_SHAPES, KV_B1_CONFIGS
 #   lean48    48 layers, FP4 only, batches LEAN48_BATCHES (64,256): the engine without dense copies of its FP4
 #             weights (fits an 80 GB H100), floor at HBM_TBS TB/s (default 4.0, the issue's H200 figure)
+#   moencu    Nsight Compute on the grouped expert kernel (_moe_gemm_kernel) of tools/bench_kernels.py --profile's MoE
+#             cases (T = 32 and 256, the heuristic's tiles): speed of light, occupancy, warp states, and per-SASS
+#             stall samples (moencu/ncu_source.csv.gz) -- where the latency-bound kernel waits
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +98,11 @@ if part moeblocks; then
   OUT=$O/moeblocks SKIP_TESTS=1 BENCH_TIMEOUT="${T_MOEBLOCKS:-150}" bash tools/gpu_kernels.sh --skip-dense \
     --moe-tokens "${MOE_TOKENS:-256,128}" --configs blocks --rep-ms 40 2>&1 | grep "moe T=\|exit code" | tail -20
 fi
+if part moencu; then
+  OUT=$O/moencu SKIP_TESTS=1 SKIP_BENCH=1 NCU=1 NCU_KERNELS=moe_gemm NCU_SOURCE=1 NCU_SOURCE_KERNELS=moe_gemm \
+    NCU_TIMEOUT="${T_MOENCU:-120}" bash tools/gpu_kernels.sh 2>&1 | tail -60
+  gzip -f "$O/moencu/ncu_source.csv" 2>/dev/null
+fi
 if part block32; then
   for from in ${BLOCK32_FROM:-8 0}; do
     OUT=$O/block32_$from BENCH_TIMEOUT="${T_BLOCK32:-150}" bash tools/gpu_rollout.sh --layers 48 --batches 256 \
@@ -113,5 +121,5 @@ if part lean48; then
     | grep -v "top kernels" | tail -14
   grep "GPU memory" "$O/lean48/bench_rollout.log"
 fi
-cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop attn attnb1 lean48 moeblocks block32_* tests_gpu.txt copy_probe.txt \
-  graph_launch.json genprof_*.txt 2>/dev/null) && rm -rf roll4 roll48 kv over loop attn attnb1 lean48 moeblocks block32_*
+cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu block32_* tests_gpu.txt copy_probe.txt \
+  graph_launch.json genprof_*.txt 2>/dev/null) && rm -rf roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu block32_*
