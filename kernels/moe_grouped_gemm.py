@@ -92,13 +92,16 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
-                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False):
+                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SPLIT_ACC: tl.constexpr = False):
     """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
     not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
     X_PRE: x is already the fp16 operand x * 2^-8; OUT_SCALED: store y * 2^-8 (fp16), the down
     projection's ready-made operand. W_TMA: w_ptr is a TensorDescriptor over the [E, rows, K/2] codes with
-    block [1, BLOCK_N, BLOCK_K/2] (gate rows past N then read up rows, whose columns are never stored)."""
+    block [1, BLOCK_N, BLOCK_K/2] (gate rows past N then read up rows, whose columns are never stored).
+    SPLIT_ACC: the low and high halves of each code byte accumulate apart (summed after the loop), so no wgmma's
+    result feeds another in the same trip and Triton need not wait for one before issuing the next (its
+    properly-async rule); two more accumulators, and the fp32 sums run in another order."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -132,8 +135,10 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     x_mask = valid[:, None]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_h = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)      # SPLIT_ACC: the high halves
     if GATED:
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_uh = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if W_TMA:
             wu_rows = w_ptr
         else:
@@ -150,7 +155,10 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
         sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
         w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
         acc = _mma(w_lo, x_lo, acc, True, DOT_F32)
-        acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
+        if SPLIT_ACC:
+            acc_h = _mma(w_hi, x_hi, acc_h, True, DOT_F32)
+        else:
+            acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
         if GATED:
             if W_TMA:
                 bu = tl.reshape(wu_rows.load([expert, N + pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
@@ -159,7 +167,14 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
             sbu = tl.load(su_rows + t * SB, mask=n_mask[:, None], other=0)
             u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
             acc_u = _mma(u_lo, x_lo, acc_u, True, DOT_F32)
-            acc_u = _mma(u_hi, x_hi, acc_u, True, DOT_F32)
+            if SPLIT_ACC:
+                acc_uh = _mma(u_hi, x_hi, acc_uh, True, DOT_F32)
+            else:
+                acc_u = _mma(u_hi, x_hi, acc_u, True, DOT_F32)
+    if SPLIT_ACC:
+        acc = acc + acc_h
+        if GATED:
+            acc_u = acc_u + acc_uh
 
     if FP16:
         acc = acc * (gs * acc_factor)
@@ -197,6 +212,7 @@ class MoEConfig:
     #                           block_n = weight rows per program, split over num_warps warps (1, 2, 4: one
     #                           x tile for all), num_stages = its cp.async code ring, block_k = 128; any other
     #                           call runs the Triton kernel instead
+    split_acc: bool = False   # tensor-core kernel: low / high code halves in separate accumulators (SPLIT_ACC)
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -228,6 +244,10 @@ BLOCK16_MAX_PER_EXPERT = 12.0
 # second block that dequantizes the same weights again. H100 (2026-12-07, fourth session), against the 256-wide
 # steps: 182.7 / 204.7 us at 16 per expert, 249.6 / 287.0 at 32, 343.3 / 387.9 at 48 -- the whole 32-row range
 BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
+# MoEConfig.split_acc for the heuristic's tensor-core configs: every wgmma of the K loop properly async (no wait
+# for completion within a trip; Triton 3.6 TTGIR) for +12-38 registers per thread (one program per SM fewer at
+# 32-row blocks). Off until tools/bench_kernels.py --configs split has measured it on an H100 / H200
+SPLIT_ACC_DEFAULT = False
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -255,7 +275,8 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     narrow_k = bm == 16 or (bm == 32 and (not gated or block32_narrow))
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
-    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4")
+    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4",
+                     split_acc=SPLIT_ACC_DEFAULT)
 
 
 def converts_input(cfg: MoEConfig, fmt: str) -> bool:
@@ -278,6 +299,8 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                       num_stages=max(2, cfg.num_stages))
     if k % cfg.block_k:
         raise ValueError(f"MoE config block_k={cfg.block_k} does not divide K={k}")
+    if cfg.split_acc and cfg.gemv:
+        raise ValueError("MoE config split_acc is a tensor-core kernel option; the GEMV takes split_acc=False")
     if cfg.gemv:
         from .moe_gemv import launch_moe_gemv
 
@@ -296,7 +319,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
         TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
         X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT_ACC=cfg.split_acc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 

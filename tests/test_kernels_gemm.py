@@ -684,6 +684,31 @@ def test_moe_tma_weight_tiles():
     assert _rel(y, moe_w4a16_reference(x, w13, w2, ids, tw)) < MOE_TOL, seed
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_moe_split_accumulators(fmt, monkeypatch):
+    """split_acc (the low and high code halves accumulated apart, summed after the K loop) computes the
+    per-expert reference's MLP with and without TMA tiles and the fp16 operand, on both projections; the GEMV
+    refuses it; SPLIT_ACC_DEFAULT puts it in the heuristic's tensor-core configs only."""
+    from megatron_qrl.kernels import moe_grouped_gemm as mg
+
+    monkeypatch.setattr(mg, "SPLIT_ACC_DEFAULT", True)
+    assert heuristic_moe_config(16 * 128, 128, 768, 2048, True).split_acc
+    assert not heuristic_moe_config(16, 128, 768, 2048, True).split_acc          # the GEMV
+    monkeypatch.setattr(mg, "SPLIT_ACC_DEFAULT", False)
+    assert not heuristic_moe_config(16 * 128, 128, 768, 2048, True).split_acc
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2, x, ids, tw = _moe_case(fmt, 4, 128, 96, 2, 20, gen)
+    ref = moe_w4a16_reference(x, w13, w2, ids, tw)
+    for tma, x_pre in ((False, False), (True, True)):
+        gu = MoEConfig(block_m=16, block_n=32, block_k=64, x_pre=x_pre, tma=tma, split_acc=True)
+        dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma, split_acc=True)
+        assert _rel(moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn), ref) < MOE_TOL, seed
+    with pytest.raises(ValueError, match="split_acc"):
+        moe_w4a16(x, w13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=128, num_stages=1,
+                                                                gemv=True, split_acc=True))
+
+
 def test_moe_takes_a_precomputed_fp16_operand():
     """x_operand (to_fp16_operand of x, which the decode step's norm writes in its own launch) replaces the
     gate/up conversion launch where the config converts its input, with the same output bits; a config that

@@ -144,7 +144,7 @@ def rel_err(y, ref):
 def dense_configs(dense, fmt, m, n, k, mode, only=""):
     """The default config, plus (mode "all") the autotuner's candidates, optionally only those whose names
     start with one of the comma-separated prefixes in `only` (e.g. "T,V": the two GEMV kernels)."""
-    if mode in ("heuristic", "gluon", "blocks"):
+    if mode in ("heuristic", "gluon", "blocks", "split"):
         return [dense.heuristic_config(fmt, m, n, k)]
     cands = dense.candidate_configs(fmt, m, n, k)
     if only:
@@ -189,6 +189,10 @@ def moe_configs(moe, t, mode):
         out += gluon_moe_variants(moe, n_assign)
     if mode in ("blocks", "all") and gu.block_m in (16, 32):
         out += block_variants(moe, n_assign)
+    if mode in ("split", "all") and not gu.gemv and not gu.gluon:
+        # the low / high code halves in separate accumulators: on gate/up, on down, on both
+        out += [(replace(gu, split_acc=not gu.split_acc), dn), (gu, replace(dn, split_acc=not dn.split_acc)),
+                (replace(gu, split_acc=not gu.split_acc), replace(dn, split_acc=not dn.split_acc))]
     return list(dict.fromkeys(out))
 
 
@@ -239,9 +243,10 @@ def moe_config_name(gu, dn) -> str:
     """A bench row's name: kernel, gate/up tiles (block_m x rows x block_k), down tiles."""
     kind = "gemv " if gu.gemv else "gluon " if gu.gluon else ""
     return (f"{kind}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
-            f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''} dn "
+            f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
+            f"{'/split' if gu.split_acc else ''} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
-            f"{'/tma' if dn.tma else ''}")
+            f"{'/tma' if dn.tma else ''}{'/split' if dn.split_acc else ''}")
 
 
 def plan(args):
@@ -661,10 +666,11 @@ def main():
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
-    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks"], default="heuristic",
+    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks", "split"], default="heuristic",
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
                     "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
-                    "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks")
+                    "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; split: the "
+                    "heuristic against split accumulators (MoEConfig.split_acc) on gate/up, down, both")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")
