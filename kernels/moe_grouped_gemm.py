@@ -287,6 +287,9 @@ def converts_input(cfg: MoEConfig, fmt: str) -> bool:
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
     """x: bf16 activations, or (fp16 path) the fp16 operand x * 2^-8; y: bf16, or fp16 for a scaled
     intermediate (gate/up with x_pre)."""
+    if cfg.split_acc and (cfg.gemv or cfg.gluon):
+        raise ValueError("MoE config split_acc is a Triton tensor-core kernel option; the GEMV and the Gluon "
+                         "kernel take split_acc=False")
     n = w.n // 2 if gated else w.n
     k = w.k
     if cfg.gluon:
@@ -299,8 +302,6 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                       num_stages=max(2, cfg.num_stages))
     if k % cfg.block_k:
         raise ValueError(f"MoE config block_k={cfg.block_k} does not divide K={k}")
-    if cfg.split_acc and cfg.gemv:
-        raise ValueError("MoE config split_acc is a tensor-core kernel option; the GEMV takes split_acc=False")
     if cfg.gemv:
         from .moe_gemv import launch_moe_gemv
 
