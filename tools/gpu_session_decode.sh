@@ -138,5 +138,7 @@ if part lean48; then
     | grep -v "top kernels" | tail -14
   grep "GPU memory" "$O/lean48/bench_rollout.log"
 fi
-cd "$O" && tar czf all.tgz $(ls -d roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesplit split48_* block32_* tests_gpu.txt copy_probe.txt \
-  graph_launch.json genprof_*.txt 2>/dev/null) && rm -rf roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesplit split48_* block32_*
+DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesplit split48_* block32_*"
+# shellcheck disable=SC2086
+cd "$O" && tar czf all.tgz $(ls -d $DIRS tests_gpu.txt copy_probe.txt graph_launch.json genprof_*.txt 2>/dev/null) \
+  && rm -rf $DIRS

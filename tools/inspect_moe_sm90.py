@@ -147,9 +147,9 @@ def main(argv=None) -> int:
             for tiles in ([] if a.no_triton else a.triton_tiles.split(",") if a.triton_tiles else [""]):
                 cfg, k = compile_triton(gated, bm, x_pre, tiles, a.split_acc)
                 # one trip: block_n rows (x 2 gated) x block_k / 32 groups
-                report(f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                       f"{' tma' if cfg.tma else ''}{' split-acc' if cfg.split_acc else ''}", k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32,
-                       cfg.num_warps, a.dump)
+                name = (f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                        f"{' tma' if cfg.tma else ''}{' split-acc' if cfg.split_acc else ''}")
+                report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32, cfg.num_warps, a.dump)
             if a.no_gluon:
                 continue
             rows_list = [int(v) for v in a.rows.split(",")] if a.rows else [g.default_rows(gated, bm)]
