@@ -85,6 +85,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> Mo
 # ----------------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _settled(acc, DOT_F32: tl.constexpr):
+    """acc once the MMAs producing it have completed: an identity the compiler cannot look through, so Triton
+    waits for the asynchronous wgmma here (the interpreter, DOT_F32, has nothing in flight)."""
+    if DOT_F32:
+        return acc
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["n_assign"])
 def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
                      N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
@@ -92,16 +101,17 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
-                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SPLIT_ACC: tl.constexpr = False):
+                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False):
     """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
     not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
     X_PRE: x is already the fp16 operand x * 2^-8; OUT_SCALED: store y * 2^-8 (fp16), the down
     projection's ready-made operand. W_TMA: w_ptr is a TensorDescriptor over the [E, rows, K/2] codes with
     block [1, BLOCK_N, BLOCK_K/2] (gate rows past N then read up rows, whose columns are never stored).
-    SPLIT_ACC: the low and high halves of each code byte accumulate apart (summed after the loop), so no wgmma's
-    result feeds another in the same trip and Triton need not wait for one before issuing the next (its
-    properly-async rule); two more accumulators, and the fp32 sums run in another order."""
+    SYNC_DOTS: each projection's dots start once the MMAs in flight have completed (_settled), so no wgmma
+    operand is decoded while a wgmma pipeline stage is open; otherwise ptxas (CUDA 12.8, Triton 3.6) issues
+    every wgmma of the kernel alone and waits for it (C7513 / C7515: 16 waits per gate/up trip instead of 4).
+    Same products and the same fp32 sums in the same order."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -135,10 +145,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     x_mask = valid[:, None]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_h = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)      # SPLIT_ACC: the high halves
     if GATED:
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_uh = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if W_TMA:
             wu_rows = w_ptr
         else:
@@ -154,11 +162,13 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
             b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
         sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
         w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
+        if SYNC_DOTS:      # the previous trip's last dot (up, or this projection's) completes first
+            if GATED:
+                acc_u = _settled(acc_u, DOT_F32)
+            else:
+                acc = _settled(acc, DOT_F32)
         acc = _mma(w_lo, x_lo, acc, True, DOT_F32)
-        if SPLIT_ACC:
-            acc_h = _mma(w_hi, x_hi, acc_h, True, DOT_F32)
-        else:
-            acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
+        acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
         if GATED:
             if W_TMA:
                 bu = tl.reshape(wu_rows.load([expert, N + pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
@@ -166,15 +176,10 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                 bu = tl.load(wu_rows + t * HALF, mask=n_mask[:, None], other=0)
             sbu = tl.load(su_rows + t * SB, mask=n_mask[:, None], other=0)
             u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
+            if SYNC_DOTS:
+                acc = _settled(acc, DOT_F32)
             acc_u = _mma(u_lo, x_lo, acc_u, True, DOT_F32)
-            if SPLIT_ACC:
-                acc_uh = _mma(u_hi, x_hi, acc_uh, True, DOT_F32)
-            else:
-                acc_u = _mma(u_hi, x_hi, acc_u, True, DOT_F32)
-    if SPLIT_ACC:
-        acc = acc + acc_h
-        if GATED:
-            acc_u = acc_u + acc_uh
+            acc_u = _mma(u_hi, x_hi, acc_u, True, DOT_F32)
 
     if FP16:
         acc = acc * (gs * acc_factor)
@@ -212,7 +217,7 @@ class MoEConfig:
     #                           block_n = weight rows per program, split over num_warps warps (1, 2, 4: one
     #                           x tile for all), num_stages = its cp.async code ring, block_k = 128; any other
     #                           call runs the Triton kernel instead
-    split_acc: bool = False   # tensor-core kernel: low / high code halves in separate accumulators (SPLIT_ACC)
+    sync_dots: bool = False   # tensor-core kernel: each projection's dots wait for the MMAs in flight (SYNC_DOTS)
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -244,10 +249,11 @@ BLOCK16_MAX_PER_EXPERT = 12.0
 # second block that dequantizes the same weights again. H100 (2026-12-07, fourth session), against the 256-wide
 # steps: 182.7 / 204.7 us at 16 per expert, 249.6 / 287.0 at 32, 343.3 / 387.9 at 48 -- the whole 32-row range
 BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
-# MoEConfig.split_acc for the heuristic's tensor-core configs: every wgmma of the K loop properly async (no wait
-# for completion within a trip; Triton 3.6 TTGIR) for +12-38 registers per thread (one program per SM fewer at
-# 32-row blocks). Off until tools/bench_kernels.py --configs split has measured it on an H100 / H200
-SPLIT_ACC_DEFAULT = False
+# MoEConfig.sync_dots for the heuristic's tensor-core configs: without it ptxas serializes every wgmma of the
+# kernel (C7513 / C7515; tools/inspect_moe_sm90.py prints its verdict); with it each dot's wgmmas go as one batch,
+# 4-6% fewer loop instructions, +6-35 registers (gate/up bm32 88 -> 96, down bm32 117 -> 152). Off until
+# tools/bench_kernels.py --configs sync has measured it on an H100 / H200
+SYNC_DOTS_DEFAULT = False
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -276,7 +282,7 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
     return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4",
-                     split_acc=SPLIT_ACC_DEFAULT)
+                     sync_dots=SYNC_DOTS_DEFAULT)
 
 
 def converts_input(cfg: MoEConfig, fmt: str) -> bool:
@@ -287,9 +293,9 @@ def converts_input(cfg: MoEConfig, fmt: str) -> bool:
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
     """x: bf16 activations, or (fp16 path) the fp16 operand x * 2^-8; y: bf16, or fp16 for a scaled
     intermediate (gate/up with x_pre)."""
-    if cfg.split_acc and (cfg.gemv or cfg.gluon):
-        raise ValueError("MoE config split_acc is a Triton tensor-core kernel option; the GEMV and the Gluon "
-                         "kernel take split_acc=False")
+    if cfg.sync_dots and (cfg.gemv or cfg.gluon):
+        raise ValueError("MoE config sync_dots is a Triton tensor-core kernel option; the GEMV and the Gluon "
+                         "kernel take sync_dots=False")
     n = w.n // 2 if gated else w.n
     k = w.k
     if cfg.gluon:
@@ -320,7 +326,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
         TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
         X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
-        SPLIT_ACC=cfg.split_acc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SYNC_DOTS=cfg.sync_dots, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 

@@ -12,6 +12,7 @@ output rounding, ~4e-3); we allow 1e-2 for the dense GEMM and 2e-2 for the MoE p
 of intermediates: the SwiGLU activation and the per-slot partial outputs). Each test draws fresh inputs.
 """
 import os
+from dataclasses import replace
 
 DEVICE = "cuda" if os.environ.get("QRL_KERNEL_TESTS_DEVICE") == "cuda" else "cpu"
 if DEVICE == "cpu":
@@ -685,28 +686,33 @@ def test_moe_tma_weight_tiles():
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_moe_split_accumulators(fmt, monkeypatch):
-    """split_acc (the low and high code halves accumulated apart, summed after the K loop) computes the
-    per-expert reference's MLP with and without TMA tiles and the fp16 operand, on both projections; the GEMV
-    refuses it; SPLIT_ACC_DEFAULT puts it in the heuristic's tensor-core configs only."""
+def test_moe_sync_dots(fmt, monkeypatch):
+    """sync_dots (each projection's dots wait for the MMAs in flight) changes when the MMAs are issued, not what
+    they sum: the same output bits as the default kernel, with and without TMA tiles and the fp16 operand, on
+    both projections, and the per-expert reference's MLP; the GEMV refuses it; SYNC_DOTS_DEFAULT puts it in the
+    heuristic's tensor-core configs only."""
     from megatron_qrl.kernels import moe_grouped_gemm as mg
 
-    monkeypatch.setattr(mg, "SPLIT_ACC_DEFAULT", True)
-    assert heuristic_moe_config(16 * 128, 128, 768, 2048, True).split_acc
-    assert not heuristic_moe_config(16, 128, 768, 2048, True).split_acc          # the GEMV
-    monkeypatch.setattr(mg, "SPLIT_ACC_DEFAULT", False)
-    assert not heuristic_moe_config(16 * 128, 128, 768, 2048, True).split_acc
+    monkeypatch.setattr(mg, "SYNC_DOTS_DEFAULT", True)
+    assert heuristic_moe_config(16 * 128, 128, 768, 2048, True).sync_dots
+    assert not heuristic_moe_config(16, 128, 768, 2048, True).sync_dots          # the GEMV
+    monkeypatch.setattr(mg, "SYNC_DOTS_DEFAULT", False)
+    assert not heuristic_moe_config(16 * 128, 128, 768, 2048, True).sync_dots
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     w13, w2, x, ids, tw = _moe_case(fmt, 4, 128, 96, 2, 20, gen)
     ref = moe_w4a16_reference(x, w13, w2, ids, tw)
     for tma, x_pre in ((False, False), (True, True)):
-        gu = MoEConfig(block_m=16, block_n=32, block_k=64, x_pre=x_pre, tma=tma, split_acc=True)
-        dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma, split_acc=True)
-        assert _rel(moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn), ref) < MOE_TOL, seed
-    with pytest.raises(ValueError, match="split_acc"):
+        gu = MoEConfig(block_m=16, block_n=32, block_k=64, x_pre=x_pre, tma=tma)
+        dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma)
+        base = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
+        synced = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(gu, sync_dots=True),
+                           down_config=replace(dn, sync_dots=True))
+        assert torch.equal(synced, base), seed
+        assert _rel(synced, ref) < MOE_TOL, seed
+    with pytest.raises(ValueError, match="sync_dots"):
         moe_w4a16(x, w13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=128, num_stages=1,
-                                                                gemv=True, split_acc=True))
+                                                                gemv=True, sync_dots=True))
 
 
 def test_moe_takes_a_precomputed_fp16_operand():

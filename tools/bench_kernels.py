@@ -189,10 +189,10 @@ def moe_configs(moe, t, mode):
         out += gluon_moe_variants(moe, n_assign)
     if mode in ("blocks", "all") and gu.block_m in (16, 32):
         out += block_variants(moe, n_assign)
-    if mode in ("split", "all") and not gu.gemv and not gu.gluon:
-        # the low / high code halves in separate accumulators: on gate/up, on down, on both
-        out += [(replace(gu, split_acc=not gu.split_acc), dn), (gu, replace(dn, split_acc=not dn.split_acc)),
-                (replace(gu, split_acc=not gu.split_acc), replace(dn, split_acc=not dn.split_acc))]
+    if mode in ("sync", "all") and not gu.gemv and not gu.gluon:
+        # dots that wait for the MMAs in flight (no wgmma serialization by ptxas): gate/up, down, both
+        out += [(replace(gu, sync_dots=not gu.sync_dots), dn), (gu, replace(dn, sync_dots=not dn.sync_dots)),
+                (replace(gu, sync_dots=not gu.sync_dots), replace(dn, sync_dots=not dn.sync_dots))]
     return list(dict.fromkeys(out))
 
 
@@ -244,9 +244,9 @@ def moe_config_name(gu, dn) -> str:
     kind = "gemv " if gu.gemv else "gluon " if gu.gluon else ""
     return (f"{kind}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
             f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
-            f"{'/split' if gu.split_acc else ''} dn "
+            f"{'/sync' if gu.sync_dots else ''} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
-            f"{'/tma' if dn.tma else ''}{'/split' if dn.split_acc else ''}")
+            f"{'/tma' if dn.tma else ''}{'/sync' if dn.sync_dots else ''}")
 
 
 def plan(args):
@@ -666,11 +666,12 @@ def main():
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
-    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks", "split"], default="heuristic",
+    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks", "sync"], default="heuristic",
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
                     "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
-                    "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; split: the "
-                    "heuristic against split accumulators (MoEConfig.split_acc) on gate/up, down, both")
+                    "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; sync: the "
+                    "heuristic against dots that wait for the MMAs in flight (MoEConfig.sync_dots) on gate/up, "
+                    "down, both")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")

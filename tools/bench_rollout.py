@@ -86,9 +86,9 @@ def _parse(argv):
     p.add_argument("--moe-block32-from", type=float, default=0.0,
                    help="experiment: 32-row expert blocks with narrow K steps (up to 48 per expert) "
                         "above this many assignments per expert (BLOCK16_MAX_PER_EXPERT; 0: the defaults)")
-    p.add_argument("--moe-split-acc", action="store_true",
-                   help="experiment: the grouped expert kernel with split accumulators "
-                        "(moe_grouped_gemm.SPLIT_ACC_DEFAULT)")
+    p.add_argument("--moe-sync-dots", type=int, choices=[0, 1], default=None,
+                   help="experiment: the grouped expert kernel's dots waiting for the MMAs in flight (1) or not "
+                        "(0) (moe_grouped_gemm.SYNC_DOTS_DEFAULT; default: the module's)")
     p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
                    help="quant.targets of the engines (all_linears: FP4 attention linears too)")
     p.add_argument("--json", default=None)
@@ -545,13 +545,13 @@ def run(a) -> dict:
 
         moe_grouped_gemm.BLOCK16_MAX_PER_EXPERT = a.moe_block32_from
         moe_grouped_gemm.BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
-    if a.moe_split_acc:
+    if a.moe_sync_dots is not None:
         from megatron_qrl.kernels import moe_grouped_gemm
 
-        moe_grouped_gemm.SPLIT_ACC_DEFAULT = True
+        moe_grouped_gemm.SYNC_DOTS_DEFAULT = bool(a.moe_sync_dots)
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
            "moe_tokens_per_expert": a.moe_tokens_per_expert, "moe_kernel": a.moe_kernel,
-           "moe_block32_from": a.moe_block32_from, "moe_split_acc": a.moe_split_acc,
+           "moe_block32_from": a.moe_block32_from, "moe_sync_dots": a.moe_sync_dots,
            "layers": a.layers, "batches": a.batches, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
            "reps": a.reps, "tiny": a.tiny, "targets": a.targets, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {},
            "floor_ms": {}, "checks": {}, "overheads": {}, "decode": {}}

@@ -72,6 +72,22 @@ def cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([tool, flag, f.name], check=True, capture_output=True, text=True).stdout
 
 
+def wgmma_verdict(kernel) -> str:
+    """What ptxas -v says about the kernel's wgmma pipeline: its "serialized due to ..." note (C7513 / C7515 ...),
+    or "pipelined" when it has none. A serialized kernel waits for every wgmma before it issues the next."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([tool, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.cubin")], check=True,
+                             capture_output=True, text=True).stderr
+    found = re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                       r"due to ([^.]*?) in the function", log)
+    return "; ".join(f"serialized ({code}: {why})" for code, why in found) or "pipelined"
+
+
 def regs_of(kernel) -> str:
     """The launch register count (REG:n of the resource usage; setmaxnreg moves it per warpgroup later)."""
     found = re.search(r"REG:(\d+)", cuobjdump(kernel, "--dump-resource-usage"))

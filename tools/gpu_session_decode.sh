@@ -25,11 +25,11 @@
 #   moencu    Nsight Compute on the grouped expert kernel (_moe_gemm_kernel) of tools/bench_kernels.py --profile's MoE
 #             cases (T = 32 and 256, the heuristic's tiles): speed of light, occupancy, warp states, and per-SASS
 #             stall samples (moencu/ncu_source.csv.gz) -- where the latency-bound kernel waits
-#   moesplit  the grouped expert kernel at T = MOE_TOKENS (512,256,128,64): the heuristic against split accumulators
-#             (MoEConfig.split_acc) on gate/up, down and both (tools/bench_kernels.py --configs split), after its
-#             GPU tests (-k moe)
-#   split48   48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with the default kernel, then with split
-#             accumulators (bench_rollout --moe-split-acc), each in a process of its own
+#   moesync   the grouped expert kernel at T = MOE_TOKENS (512,256,128,64): the heuristic against dots that wait for
+#             the MMAs in flight (MoEConfig.sync_dots: ptxas then pipelines the wgmmas) on gate/up, down and both
+#             (tools/bench_kernels.py --configs sync), after its GPU tests (-k moe)
+#   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots off, then on
+#             (bench_rollout --moe-sync-dots 0 / 1), each in a process of its own
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,16 +108,16 @@ if part moencu; then
     NCU_TIMEOUT="${T_MOENCU:-120}" bash tools/gpu_kernels.sh 2>&1 | tail -60
   gzip -f "$O/moencu/ncu_source.csv" 2>/dev/null
 fi
-if part moesplit; then
-  OUT=$O/moesplit TEST_K=moe BENCH_TIMEOUT="${T_MOESPLIT:-200}" bash tools/gpu_kernels.sh --skip-dense \
-    --moe-tokens "${MOE_TOKENS:-512,256,128,64}" --configs split --rep-ms 40 2>&1 \
+if part moesync; then
+  OUT=$O/moesync TEST_K=moe BENCH_TIMEOUT="${T_MOESYNC:-200}" bash tools/gpu_kernels.sh --skip-dense \
+    --moe-tokens "${MOE_TOKENS:-512,256,128,64}" --configs sync --rep-ms 40 2>&1 \
     | grep "moe T=\|exit code\|passed\|failed" | tail -30
 fi
-if part split48; then
-  for v in default split; do
-    OUT=$O/split48_$v BENCH_TIMEOUT="${T_SPLIT48:-150}" bash tools/gpu_rollout.sh --layers 48 \
+if part sync48; then
+  for v in 0 1; do
+    OUT=$O/sync48_$v BENCH_TIMEOUT="${T_SYNC48:-150}" bash tools/gpu_rollout.sh --layers 48 \
       --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" \
-      $([ $v = split ] && echo --moe-split-acc) 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
+      --moe-sync-dots $v 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
   done
 fi
 if part block32; then
@@ -138,7 +138,7 @@ if part lean48; then
     | grep -v "top kernels" | tail -14
   grep "GPU memory" "$O/lean48/bench_rollout.log"
 fi
-DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesplit split48_* block32_*"
+DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesync sync48_* block32_*"
 # shellcheck disable=SC2086
 cd "$O" && tar czf all.tgz $(ls -d $DIRS tests_gpu.txt copy_probe.txt graph_launch.json genprof_*.txt 2>/dev/null) \
   && rm -rf $DIRS

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_gluon_sm90 import cuobjdump, regs_of  # noqa: E402
+from compile_gluon_sm90 import cuobjdump, regs_of, wgmma_verdict  # noqa: E402
 from inspect_attention_sm90 import hottest_loop, mix, ttgir_traffic  # noqa: E402
 
 E, H, F, TOP_K = 128, 2048, 768, 8
@@ -67,7 +67,7 @@ def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool
     return _compile(g._moe_gluon_kernel, kw, dict(num_warps=warps), True)
 
 
-def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", split_acc: bool = False):
+def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync_dots: bool = False):
     """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced; tiles
     "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages)."""
     from dataclasses import replace
@@ -80,7 +80,7 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", spli
     if tiles:
         bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
         cfg = replace(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    cfg = replace(cfg, split_acc=split_acc)
+    cfg = replace(cfg, sync_dots=sync_dots)
     nb = 64
     x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
     y = torch.zeros((nb * block_m, n), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
@@ -90,7 +90,7 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", spli
     vals = [x, q, w.scales, w.global_scale, y, ids, ids[:nb], w.global_scale if gated else torch.zeros(1024),
             n, w.k, 1024, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
             x.stride(0), y.stride(0), FP16_ACC_FACTOR, TOP_K, gated, False, True, block_m, cfg.block_n,
-            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.split_acc]
+            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.sync_dots]
     kw = dict(zip(names, vals))
     return cfg, _compile(m._moe_gemm_kernel, kw, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), False)
 
@@ -110,7 +110,7 @@ def report(name: str, kernel, code_vectors_per_trip: int, warps: int, dump: str)
     per_vec = m["total"] * warps / code_vectors_per_trip
     print(f"== {name}: regs {regs_of(kernel)}, spill insts {spills}, shared {kernel.metadata.shared} B; hot loop "
           f"{m['total']} SASS x {warps} warps per {code_vectors_per_trip} code vectors = {per_vec:.2f} warp "
-          f"instructions per 16-byte code vector ({per_vec / 16:.3f} per weight byte)")
+          f"instructions per 16-byte code vector ({per_vec / 16:.3f} per weight byte); wgmma: {wgmma_verdict(kernel)}")
     for ln in ttgir_traffic(kernel.asm["ttgir"]):
         print("   ", ln)
     print("    loop mix:", m)
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--triton-tiles", default="", help="Triton configs to compile instead of the heuristic's, "
                     "comma-separated BNxBKwWsS (e.g. 64x128w4s3,128x128w8s3)")
-    ap.add_argument("--split-acc", action="store_true", help="the Triton kernel with the low / high code halves "
-                    "in separate accumulators (MoEConfig.split_acc)")
+    ap.add_argument("--sync-dots", action="store_true", help="the Triton kernel with its dots waiting for the "
+                    "MMAs in flight (MoEConfig.sync_dots: no wgmma serialization by ptxas)")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--dump", default="")
     a = ap.parse_args(argv)
@@ -145,10 +145,10 @@ def main(argv=None) -> int:
         gated = proj == "gated"
         for bm in (int(v) for v in a.block_m.split(",")):
             for tiles in ([] if a.no_triton else a.triton_tiles.split(",") if a.triton_tiles else [""]):
-                cfg, k = compile_triton(gated, bm, x_pre, tiles, a.split_acc)
+                cfg, k = compile_triton(gated, bm, x_pre, tiles, a.sync_dots)
                 # one trip: block_n rows (x 2 gated) x block_k / 32 groups
                 name = (f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                        f"{' tma' if cfg.tma else ''}{' split-acc' if cfg.split_acc else ''}")
+                        f"{' tma' if cfg.tma else ''}{' sync-dots' if cfg.sync_dots else ''}")
                 report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32, cfg.num_warps, a.dump)
             if a.no_gluon:
                 continue
