@@ -101,7 +101,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
-                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False):
+                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
+                     PACKED_SCALES: tl.constexpr = False):
     """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
     not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
@@ -111,7 +112,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     SYNC_DOTS: each projection's dots start once the MMAs in flight have completed (_settled), so no wgmma
     operand is decoded while a wgmma pipeline stage is open; otherwise ptxas (CUDA 12.8, Triton 3.6) issues
     every wgmma of the kernel alone and waits for it (C7513 / C7515: 16 waits per gate/up trip instead of 4).
-    Same products and the same fp32 sums in the same order."""
+    Same products and the same fp32 sums in the same order. PACKED_SCALES: NVFP4 scales decoded four bytes per
+    register (w4a16_gemm._SCALE_ASM; the same fp16 values)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -161,7 +163,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
         else:
             b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
         sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
-        w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
+        w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32, PACKED_SCALES)
         if SYNC_DOTS:      # the previous trip's last dot (up, or this projection's) completes first
             if GATED:
                 acc_u = _settled(acc_u, DOT_F32)
@@ -175,7 +177,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
             else:
                 bu = tl.load(wu_rows + t * HALF, mask=n_mask[:, None], other=0)
             sbu = tl.load(su_rows + t * SB, mask=n_mask[:, None], other=0)
-            u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32)
+            u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32, PACKED_SCALES)
             if SYNC_DOTS:
                 acc = _settled(acc, DOT_F32)
             acc_u = _mma(u_lo, x_lo, acc_u, True, DOT_F32)
@@ -218,6 +220,8 @@ class MoEConfig:
     #                           x tile for all), num_stages = its cp.async code ring, block_k = 128; any other
     #                           call runs the Triton kernel instead
     sync_dots: bool = False   # tensor-core kernel: each projection's dots wait for the MMAs in flight (SYNC_DOTS)
+    packed_scales: bool = True  # tensor-core kernel: NVFP4 scales decoded 4 bytes per register (PACKED_SCALES)
+    max_regs: int = 0         # tensor-core kernel: ptxas register cap per thread (Triton's maxnreg; 0: none)
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -251,9 +255,11 @@ BLOCK16_MAX_PER_EXPERT = 12.0
 BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
 # MoEConfig.sync_dots for the heuristic's tensor-core configs: without it ptxas serializes every wgmma of the
 # kernel (C7513 / C7515; tools/inspect_moe_sm90.py prints its verdict); with it each dot's wgmmas go as one batch,
-# 4-6% fewer loop instructions, +6-35 registers (gate/up bm32 88 -> 96, down bm32 117 -> 152). Off until
-# tools/bench_kernels.py --configs sync has measured it on an H100 / H200
+# 5-6% fewer loop instructions, more registers: at 32-row blocks capped (SYNC_DOTS_MAX_REGS, 2 spill instructions
+# outside the loop) to keep the default's programs per SM. Off until tools/bench_kernels.py --configs sync has
+# measured it on an H100 / H200
 SYNC_DOTS_DEFAULT = False
+SYNC_DOTS_MAX_REGS = {True: 96, False: 128}      # gated (gate/up) / down, 32-row blocks: 5 / 4 programs per SM
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -281,8 +287,9 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     narrow_k = bm == 16 or (bm == 32 and (not gated or block32_narrow))
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
-    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4",
-                     sync_dots=SYNC_DOTS_DEFAULT)
+    sync = SYNC_DOTS_DEFAULT
+    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4", sync_dots=sync,
+                     max_regs=SYNC_DOTS_MAX_REGS[gated] if sync and bm == 32 else 0)
 
 
 def converts_input(cfg: MoEConfig, fmt: str) -> bool:
@@ -293,9 +300,9 @@ def converts_input(cfg: MoEConfig, fmt: str) -> bool:
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
     """x: bf16 activations, or (fp16 path) the fp16 operand x * 2^-8; y: bf16, or fp16 for a scaled
     intermediate (gate/up with x_pre)."""
-    if cfg.sync_dots and (cfg.gemv or cfg.gluon):
-        raise ValueError("MoE config sync_dots is a Triton tensor-core kernel option; the GEMV and the Gluon "
-                         "kernel take sync_dots=False")
+    if (cfg.sync_dots or cfg.max_regs) and (cfg.gemv or cfg.gluon):
+        raise ValueError("MoE config sync_dots / max_regs are Triton tensor-core kernel options; the GEMV and the "
+                         "Gluon kernel take sync_dots=False, max_regs=0")
     n = w.n // 2 if gated else w.n
     k = w.k
     if cfg.gluon:
@@ -326,7 +333,8 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
         TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
         X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
-        SYNC_DOTS=cfg.sync_dots, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
     return y
 
 

@@ -92,6 +92,16 @@ lop3.b32 $1, a, c, 0x8E008E00, 0xA8;
 }""")
 
 
+# Four prepared NVFP4 scale bytes (one 32-bit register) -> two fp16x2 holding s * 2^5 (as _nvfp4_scale_f16):
+# 4 instructions per 4 scales where the byte-wise form takes 8 (a byte extract and a shift each)
+_SCALE_ASM = tl.constexpr("""{
+prmt.b32 $0, $2, 0, 0x4140;
+shl.b32 $0, $0, 7;
+prmt.b32 $1, $2, 0, 0x4342;
+shl.b32 $1, $1, 7;
+}""")
+
+
 @triton.jit
 def _codes_f16(b, USE_ASM: tl.constexpr):
     """Kernel-layout bytes (uint8 tile) -> (low, high) float16 tiles holding code value * 2^-14, exactly.
@@ -124,11 +134,12 @@ def _mxfp4_scale_f32(e):
 
 @triton.jit
 def _dequant_tile(b, sb, gs, BLOCK_N: tl.constexpr, HALF: tl.constexpr, IS_MX: tl.constexpr,
-                  FP16: tl.constexpr, USE_ASM: tl.constexpr, RNE: tl.constexpr = False):
+                  FP16: tl.constexpr, USE_ASM: tl.constexpr, RNE: tl.constexpr = False,
+                  PACKED_SCALES: tl.constexpr = False):
     """b: uint8 [BLOCK_N, HALF] (kernel layout), sb: prepared scale bytes of the tile ([BLOCK_N, HALF/8] for
     NVFP4, [BLOCK_N, HALF/16] for MXFP4), gs: folded global scale. Returns (w_lo, w_hi) [BLOCK_N, HALF] in
     the dot dtype (fp16 when FP16 else bf16); w_lo multiplies the activation columns of the low elements,
-    w_hi those of the high ones."""
+    w_hi those of the high ones. PACKED_SCALES (with USE_ASM): NVFP4 scales decoded four bytes per register."""
     G: tl.constexpr = HALF // 16
     c_lo, c_hi = _codes_f16(b, USE_ASM)
     c_lo = tl.reshape(c_lo, (BLOCK_N, G, 16))
@@ -138,9 +149,13 @@ def _dequant_tile(b, sb, gs, BLOCK_N: tl.constexpr, HALF: tl.constexpr, IS_MX: t
         w_lo = _to_bf16(c_lo.to(tl.float32) * s[:, :, None], RNE)
         w_hi = _to_bf16(c_hi.to(tl.float32) * s[:, :, None], RNE)
     else:
-        s_lo, s_hi = tl.split(tl.reshape(sb, (BLOCK_N, G, 2)))  # blocks 2g (low elements), 2g+1 (high)
-        s_lo = _nvfp4_scale_f16(s_lo)                           # s * 2^5
-        s_hi = _nvfp4_scale_f16(s_hi)
+        if PACKED_SCALES and USE_ASM:
+            s16 = tl.inline_asm_elementwise(_SCALE_ASM, "=r,=r,r", [sb], dtype=tl.float16, is_pure=True, pack=4)
+            s_lo, s_hi = tl.split(tl.reshape(s16, (BLOCK_N, G, 2)))
+        else:
+            s_lo, s_hi = tl.split(tl.reshape(sb, (BLOCK_N, G, 2)))  # blocks 2g (low elements), 2g+1 (high)
+            s_lo = _nvfp4_scale_f16(s_lo)                           # s * 2^5
+            s_hi = _nvfp4_scale_f16(s_hi)
         if FP16:
             w_lo = c_lo * s_lo[:, :, None]                      # code * s * 2^-9: exact in fp16
             w_hi = c_hi * s_hi[:, :, None]

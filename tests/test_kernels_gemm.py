@@ -690,7 +690,8 @@ def test_moe_sync_dots(fmt, monkeypatch):
     """sync_dots (each projection's dots wait for the MMAs in flight) changes when the MMAs are issued, not what
     they sum: the same output bits as the default kernel, with and without TMA tiles and the fp16 operand, on
     both projections, and the per-expert reference's MLP; the GEMV refuses it; SYNC_DOTS_DEFAULT puts it in the
-    heuristic's tensor-core configs only."""
+    heuristic's tensor-core configs only. The same holds for byte-wise scale decoding (packed_scales=False) and
+    a register cap (max_regs)."""
     from megatron_qrl.kernels import moe_grouped_gemm as mg
 
     monkeypatch.setattr(mg, "SYNC_DOTS_DEFAULT", True)
@@ -706,10 +707,11 @@ def test_moe_sync_dots(fmt, monkeypatch):
         gu = MoEConfig(block_m=16, block_n=32, block_k=64, x_pre=x_pre, tma=tma)
         dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma)
         base = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
-        synced = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(gu, sync_dots=True),
-                           down_config=replace(dn, sync_dots=True))
-        assert torch.equal(synced, base), seed
-        assert _rel(synced, ref) < MOE_TOL, seed
+        for change in (dict(sync_dots=True), dict(sync_dots=True, max_regs=128), dict(packed_scales=False)):
+            other = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(gu, **change),
+                              down_config=replace(dn, **change))
+            assert torch.equal(other, base), (seed, change)
+        assert _rel(base, ref) < MOE_TOL, seed
     with pytest.raises(ValueError, match="sync_dots"):
         moe_w4a16(x, w13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=128, num_stages=1,
                                                                 gemv=True, sync_dots=True))
