@@ -221,7 +221,6 @@ class MoEConfig:
     #                           call runs the Triton kernel instead
     sync_dots: bool = False   # tensor-core kernel: each projection's dots wait for the MMAs in flight (SYNC_DOTS)
     packed_scales: bool = True  # tensor-core kernel: NVFP4 scales decoded 4 bytes per register (PACKED_SCALES)
-    max_regs: int = 0         # tensor-core kernel: ptxas register cap per thread (Triton's maxnreg; 0: none)
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -253,13 +252,12 @@ BLOCK16_MAX_PER_EXPERT = 12.0
 # second block that dequantizes the same weights again. H100 (2026-12-07, fourth session), against the 256-wide
 # steps: 182.7 / 204.7 us at 16 per expert, 249.6 / 287.0 at 32, 343.3 / 387.9 at 48 -- the whole 32-row range
 BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
-# MoEConfig.sync_dots for the heuristic's tensor-core configs: without it ptxas serializes every wgmma of the
-# kernel (C7513 / C7515; tools/inspect_moe_sm90.py prints its verdict); with it each dot's wgmmas go as one batch,
-# 5-6% fewer loop instructions, more registers: at 32-row blocks capped (SYNC_DOTS_MAX_REGS, 2 spill instructions
-# outside the loop) to keep the default's programs per SM. Off until tools/bench_kernels.py --configs sync has
-# measured it on an H100 / H200
-SYNC_DOTS_DEFAULT = False
-SYNC_DOTS_MAX_REGS = {True: 96, False: 128}      # gated (gate/up) / down, 32-row blocks: 5 / 4 programs per SM
+# MoEConfig.sync_dots of the heuristic's tensor-core configs, per projection: without it ptxas serializes every
+# wgmma of the kernel (C7513 / C7515; tools/inspect_moe_sm90.py prints its verdict); with it each dot's wgmmas go
+# as one batch (5-6% fewer loop instructions, more registers). H100, 2026-12-07 (tools/bench_kernels.py --configs
+# sync, whole MoE layer): on gate/up 178.2 -> 167.5 us at T = 256, 248.5 -> 240.7 at 512, 161.0 -> 159.5 at 128;
+# on down within +-0.5% (so off: 125 -> 156 registers at 32-row blocks for nothing)
+SYNC_DOTS = {"gate_up": True, "down": False}
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -287,9 +285,8 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     narrow_k = bm == 16 or (bm == 32 and (not gated or block32_narrow))
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
-    sync = SYNC_DOTS_DEFAULT
-    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4", sync_dots=sync,
-                     max_regs=SYNC_DOTS_MAX_REGS[gated] if sync and bm == 32 else 0)
+    return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4",
+                     sync_dots=SYNC_DOTS["gate_up" if gated else "down"])
 
 
 def converts_input(cfg: MoEConfig, fmt: str) -> bool:
@@ -300,9 +297,9 @@ def converts_input(cfg: MoEConfig, fmt: str) -> bool:
 def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool, cfg: MoEConfig):
     """x: bf16 activations, or (fp16 path) the fp16 operand x * 2^-8; y: bf16, or fp16 for a scaled
     intermediate (gate/up with x_pre)."""
-    if (cfg.sync_dots or cfg.max_regs) and (cfg.gemv or cfg.gluon):
-        raise ValueError("MoE config sync_dots / max_regs are Triton tensor-core kernel options; the GEMV and the "
-                         "Gluon kernel take sync_dots=False, max_regs=0")
+    if cfg.sync_dots and (cfg.gemv or cfg.gluon):
+        raise ValueError("MoE config sync_dots is a Triton tensor-core kernel option; the GEMV and the Gluon "
+                         "kernel take sync_dots=False")
     n = w.n // 2 if gated else w.n
     k = w.k
     if cfg.gluon:
@@ -334,7 +331,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
         BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
         X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
         SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
+        num_stages=cfg.num_stages)
     return y
 
 

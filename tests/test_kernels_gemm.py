@@ -689,15 +689,16 @@ def test_moe_tma_weight_tiles():
 def test_moe_sync_dots(fmt, monkeypatch):
     """sync_dots (each projection's dots wait for the MMAs in flight) changes when the MMAs are issued, not what
     they sum: the same output bits as the default kernel, with and without TMA tiles and the fp16 operand, on
-    both projections, and the per-expert reference's MLP; the GEMV refuses it; SYNC_DOTS_DEFAULT puts it in the
-    heuristic's tensor-core configs only. The same holds for byte-wise scale decoding (packed_scales=False) and
-    a register cap (max_regs)."""
+    both projections, and the per-expert reference's MLP; the GEMV refuses it; the heuristic's tensor-core
+    configs take it on the projections SYNC_DOTS names (as measured: gate/up). Byte-wise scale decoding
+    (packed_scales=False) gives the same bits too."""
     from megatron_qrl.kernels import moe_grouped_gemm as mg
 
-    monkeypatch.setattr(mg, "SYNC_DOTS_DEFAULT", True)
+    assert mg.SYNC_DOTS == {"gate_up": True, "down": False}
     assert heuristic_moe_config(16 * 128, 128, 768, 2048, True).sync_dots
+    assert not heuristic_moe_config(16 * 128, 128, 2048, 768, False).sync_dots
     assert not heuristic_moe_config(16, 128, 768, 2048, True).sync_dots          # the GEMV
-    monkeypatch.setattr(mg, "SYNC_DOTS_DEFAULT", False)
+    monkeypatch.setitem(mg.SYNC_DOTS, "gate_up", False)
     assert not heuristic_moe_config(16 * 128, 128, 768, 2048, True).sync_dots
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -707,7 +708,7 @@ def test_moe_sync_dots(fmt, monkeypatch):
         gu = MoEConfig(block_m=16, block_n=32, block_k=64, x_pre=x_pre, tma=tma)
         dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma)
         base = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
-        for change in (dict(sync_dots=True), dict(sync_dots=True, max_regs=128), dict(packed_scales=False)):
+        for change in (dict(sync_dots=True), dict(packed_scales=False)):
             other = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(gu, **change),
                               down_config=replace(dn, **change))
             assert torch.equal(other, base), (seed, change)

@@ -190,15 +190,11 @@ def moe_configs(moe, t, mode):
     if mode in ("blocks", "all") and gu.block_m in (16, 32):
         out += block_variants(moe, n_assign)
     if mode in ("sync", "all") and not gu.gemv and not gu.gluon:
-        # scales byte by byte (the kernel before 2026-12-07); dots that wait for the MMAs in flight (no wgmma
-        # serialization by ptxas) on gate/up, down, both; both under the register caps that keep 32-row blocks at
-        # the default's programs per SM (5 gate/up, 4 down; tools/inspect_moe_sm90.py --max-regs: 2 spill
-        # instructions outside the loop)
-        sync_gu, sync_dn = replace(gu, sync_dots=True), replace(dn, sync_dots=True)
-        out += [(replace(gu, packed_scales=False), replace(dn, packed_scales=False)), (sync_gu, dn), (gu, sync_dn),
-                (sync_gu, sync_dn)]
-        if gu.block_m == 32:
-            out.append((replace(sync_gu, max_regs=96), replace(sync_dn, max_regs=128)))
+        # the kernel before 2026-12-07 (scales byte by byte, no sync_dots); sync_dots (dots that wait for the MMAs
+        # in flight: no wgmma serialization by ptxas) switched on gate/up, on down, on both
+        out += [(replace(gu, packed_scales=False, sync_dots=False), replace(dn, packed_scales=False, sync_dots=False)),
+                (replace(gu, sync_dots=not gu.sync_dots), dn), (gu, replace(dn, sync_dots=not dn.sync_dots)),
+                (replace(gu, sync_dots=not gu.sync_dots), replace(dn, sync_dots=not dn.sync_dots))]
     return list(dict.fromkeys(out))
 
 
@@ -250,10 +246,10 @@ def moe_config_name(gu, dn) -> str:
     kind = "gemv " if gu.gemv else "gluon " if gu.gluon else ""
     return (f"{kind}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
             f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
-            f"{'/sync' if gu.sync_dots else ''}{f'/r{gu.max_regs}' if gu.max_regs else ''}"
+            f"{'/sync' if gu.sync_dots else ''}"
             f"{'' if gu.packed_scales else '/bytescales'} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
-            f"{'/tma' if dn.tma else ''}{'/sync' if dn.sync_dots else ''}{f'/r{dn.max_regs}' if dn.max_regs else ''}"
+            f"{'/tma' if dn.tma else ''}{'/sync' if dn.sync_dots else ''}"
             f"{'' if dn.packed_scales else '/bytescales'}")
 
 
@@ -678,8 +674,8 @@ def main():
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
                     "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
                     "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; sync: the "
-                    "heuristic against dots that wait for the MMAs in flight (MoEConfig.sync_dots) on gate/up, "
-                    "down, both")
+                    "heuristic against the kernel before 2026-12-07 and against sync_dots (dots that wait for the "
+                    "MMAs in flight) switched on gate/up, down, both")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")

@@ -86,9 +86,9 @@ def _parse(argv):
     p.add_argument("--moe-block32-from", type=float, default=0.0,
                    help="experiment: 32-row expert blocks with narrow K steps (up to 48 per expert) "
                         "above this many assignments per expert (BLOCK16_MAX_PER_EXPERT; 0: the defaults)")
-    p.add_argument("--moe-sync-dots", type=int, choices=[0, 1], default=None,
-                   help="experiment: the grouped expert kernel's dots waiting for the MMAs in flight (1) or not "
-                        "(0) (moe_grouped_gemm.SYNC_DOTS_DEFAULT; default: the module's)")
+    p.add_argument("--moe-sync-dots", choices=["off", "gate_up", "both"], default=None,
+                   help="experiment: the projections whose grouped expert kernel waits for the MMAs in flight "
+                        "(moe_grouped_gemm.SYNC_DOTS; default: the module's, gate_up)")
     p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
                    help="quant.targets of the engines (all_linears: FP4 attention linears too)")
     p.add_argument("--json", default=None)
@@ -548,7 +548,7 @@ def run(a) -> dict:
     if a.moe_sync_dots is not None:
         from megatron_qrl.kernels import moe_grouped_gemm
 
-        moe_grouped_gemm.SYNC_DOTS_DEFAULT = bool(a.moe_sync_dots)
+        moe_grouped_gemm.SYNC_DOTS.update(gate_up=a.moe_sync_dots != "off", down=a.moe_sync_dots == "both")
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
            "moe_tokens_per_expert": a.moe_tokens_per_expert, "moe_kernel": a.moe_kernel,
            "moe_block32_from": a.moe_block32_from, "moe_sync_dots": a.moe_sync_dots,

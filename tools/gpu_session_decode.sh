@@ -28,8 +28,8 @@
 #   moesync   the grouped expert kernel at T = MOE_TOKENS (512,256,128,64): the heuristic against dots that wait for
 #             the MMAs in flight (MoEConfig.sync_dots: ptxas then pipelines the wgmmas) on gate/up, down and both
 #             (tools/bench_kernels.py --configs sync), after its GPU tests (-k moe)
-#   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots off, then on
-#             (bench_rollout --moe-sync-dots 0 / 1), each in a process of its own
+#   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots on the projections
+#             SYNC48 names (default "off gate_up": bench_rollout --moe-sync-dots), each in a process of its own
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,7 +114,7 @@ if part moesync; then
     | grep "moe T=\|exit code\|passed\|failed" | tail -30
 fi
 if part sync48; then
-  for v in 0 1; do
+  for v in ${SYNC48:-off gate_up}; do
     OUT=$O/sync48_$v BENCH_TIMEOUT="${T_SYNC48:-150}" bash tools/gpu_rollout.sh --layers 48 \
       --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" \
       --moe-sync-dots $v 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
