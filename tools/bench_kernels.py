@@ -196,9 +196,10 @@ def moe_configs(moe, t, mode):
                 (replace(gu, sync_dots=not gu.sync_dots), dn), (gu, replace(dn, sync_dots=not dn.sync_dots)),
                 (replace(gu, sync_dots=not gu.sync_dots), replace(dn, sync_dots=not dn.sync_dots))]
         if gu.block_m == 32 and gu.sync_dots:
-            # 128 gate + 128 up rows per program, two stages: 3.70 -> 3.04 loop instructions per 16-byte code
-            # vector for 197 registers (2 programs per SM; tools/inspect_moe_sm90.py --triton-tiles 128x128w4s2)
-            out.append((replace(gu, block_n=128, num_stages=2), dn))
+            # fewer loop instructions per weight byte for fewer programs per SM (tools/inspect_moe_sm90.py
+            # --triton-tiles): 128 gate + 128 up rows per program, two stages: 3.70 -> 3.04 per 16-byte code vector,
+            # 197 registers (2 programs per SM); 256-wide K steps, two stages: 3.27, 181 registers
+            out += [(replace(gu, block_n=128, num_stages=2), dn), (replace(gu, block_k=256, num_stages=2), dn)]
     return list(dict.fromkeys(out))
 
 
