@@ -144,7 +144,7 @@ def rel_err(y, ref):
 def dense_configs(dense, fmt, m, n, k, mode, only=""):
     """The default config, plus (mode "all") the autotuner's candidates, optionally only those whose names
     start with one of the comma-separated prefixes in `only` (e.g. "T,V": the two GEMV kernels)."""
-    if mode in ("heuristic", "gluon", "blocks", "split"):
+    if mode in ("heuristic", "gluon", "blocks", "sync"):
         return [dense.heuristic_config(fmt, m, n, k)]
     cands = dense.candidate_configs(fmt, m, n, k)
     if only:

@@ -26,8 +26,9 @@ weight bytes it must read (attention, router, the experts top-k touches in expec
 LM head) plus the KV cache read at the mean context, over --hbm-tbs TB/s.
 --overheads B: at batch B, W4A4 with TRACE capture of every layer + R3 against W4A4 without, and sampling
 (temperature 1) against greedy (fp4), each as generate() rates and as captured decode steps (CUDA events).
---check B: at batch B, each graph engine against the eager engine of the same scheme (identical sequences, matching greedy prefix, max |log-prob difference| on the prefix; W4A4
-with TRACE: capture bytes agreeing on the prefix rows). --targets all_linears: the FP4 engines quantize the
+--check B: at batch B, each graph engine against the eager engine of the same scheme (identical sequences,
+matching greedy prefix, max |log-prob difference| on the prefix; W4A4 with TRACE: capture bytes agreeing on the
+prefix rows). --targets all_linears: the FP4 engines quantize the
 attention linears (qkv, proj) too, as configs/evidence/gpu_base.yaml does (default: routed experts only).
 """
 from __future__ import annotations
