@@ -102,7 +102,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
                      OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
-                     PACKED_SCALES: tl.constexpr = False):
+                     PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1):
     """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
     not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
@@ -113,7 +113,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     operand is decoded while a wgmma pipeline stage is open; otherwise ptxas (CUDA 12.8, Triton 3.6) issues
     every wgmma of the kernel alone and waits for it (C7513 / C7515: 16 waits per gate/up trip instead of 4).
     Same products and the same fp32 sums in the same order. PACKED_SCALES: NVFP4 scales decoded four bytes per
-    register (w4a16_gemm._SCALE_ASM; the same fp16 values)."""
+    register (w4a16_gemm._SCALE_ASM; the same fp16 values). UNROLL: K steps per loop trip (the loop's
+    bookkeeping -- stage indices, barriers, TMA -- paid once per UNROLL steps; the same sums in the same order)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -154,7 +155,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
         else:
             wu_rows = w_rows + N.to(tl.int64) * stride_wn
         su_rows = s_rows + N.to(tl.int64) * stride_sn
-    for t in range(0, K // BLOCK_K):
+    for t in tl.range(0, K // BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = t * BLOCK_K
         x_lo = _prep_x(tl.load(x_rows + k0, mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
         x_hi = _prep_x(tl.load(x_rows + (k0 + 16), mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
@@ -221,6 +222,7 @@ class MoEConfig:
     #                           call runs the Triton kernel instead
     sync_dots: bool = False   # tensor-core kernel: each projection's dots wait for the MMAs in flight (SYNC_DOTS)
     packed_scales: bool = True  # tensor-core kernel: NVFP4 scales decoded 4 bytes per register (PACKED_SCALES)
+    unroll: int = 1           # tensor-core kernel: K steps per loop trip (UNROLL)
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -300,6 +302,11 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     if cfg.sync_dots and (cfg.gemv or cfg.gluon):
         raise ValueError("MoE config sync_dots is a Triton tensor-core kernel option; the GEMV and the Gluon "
                          "kernel take sync_dots=False")
+    if cfg.unroll != 1 and (cfg.gemv or cfg.gluon):
+        raise ValueError(f"MoE config unroll={cfg.unroll} is a Triton tensor-core kernel option; the GEMV and the "
+                         "Gluon kernel take unroll=1")
+    if cfg.unroll < 1:
+        raise ValueError(f"MoE config unroll={cfg.unroll}: K steps per loop trip must be >= 1")
     n = w.n // 2 if gated else w.n
     k = w.k
     if cfg.gluon:
@@ -330,7 +337,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
         TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
         X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
-        SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, num_warps=cfg.num_warps,
+        SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, UNROLL=cfg.unroll, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return y
 

@@ -200,6 +200,14 @@ def moe_configs(moe, t, mode):
             # --triton-tiles): 128 gate + 128 up rows per program, two stages: 3.70 -> 3.04 per 16-byte code vector,
             # 197 registers (2 programs per SM); 256-wide K steps, two stages: 3.27, 181 registers
             out += [(replace(gu, block_n=128, num_stages=2), dn), (replace(gu, block_k=256, num_stages=2), dn)]
+        if gu.block_m in (16, 32):
+            # two K steps per loop trip (MoEConfig.unroll), two stages (the three-stage rings doubled would halve the
+            # programs per SM): the loop's bookkeeping paid once per two steps. tools/inspect_moe_sm90.py --unroll 2,
+            # 32-row blocks, per 16-byte code vector: gate/up 3.70 -> 3.49 (123 registers), down with sync_dots
+            # 3.67 -> 3.19 (164 registers: 3 programs per SM)
+            gu2 = replace(gu, unroll=2, num_stages=2)
+            dn2 = replace(dn, unroll=2, num_stages=2, sync_dots=True)
+            out += [(gu2, dn), (gu, dn2), (gu2, dn2), (gu2, replace(dn2, sync_dots=False))]
     return list(dict.fromkeys(out))
 
 
@@ -252,10 +260,10 @@ def moe_config_name(gu, dn) -> str:
     return (f"{kind}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
             f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
             f"{'/sync' if gu.sync_dots else ''}"
-            f"{'' if gu.packed_scales else '/bytescales'} dn "
+            f"{'' if gu.packed_scales else '/bytescales'}{f'/u{gu.unroll}' if gu.unroll > 1 else ''} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
             f"{'/tma' if dn.tma else ''}{'/sync' if dn.sync_dots else ''}"
-            f"{'' if dn.packed_scales else '/bytescales'}")
+            f"{'' if dn.packed_scales else '/bytescales'}{f'/u{dn.unroll}' if dn.unroll > 1 else ''}")
 
 
 def plan(args):
@@ -679,8 +687,9 @@ def main():
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
                     "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
                     "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; sync: the "
-                    "heuristic against the kernel before 2026-12-07 and against sync_dots (dots that wait for the "
-                    "MMAs in flight) switched on gate/up, down, both")
+                    "heuristic against the kernel before 2026-12-07, against sync_dots (dots that wait for the "
+                    "MMAs in flight) switched on gate/up, down, both, and against two K steps per loop trip "
+                    "(unroll)")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")

@@ -27,8 +27,9 @@
 #             stall samples (moencu/ncu_source.csv.gz) -- where the latency-bound kernel waits
 #   moesync   the grouped expert kernel at T = MOE_TOKENS (512,256,128,64): the heuristic against the kernel before
 #             2026-12-07 (byte-wise scales, no sync_dots), against sync_dots (dots that wait for the MMAs in flight, so
-#             ptxas pipelines the wgmmas) switched on gate/up, down, both, and against gate/up tiles with fewer loop
-#             instructions per weight byte (tools/bench_kernels.py --configs sync), after its GPU tests (-k moe)
+#             ptxas pipelines the wgmmas) switched on gate/up, down, both, against gate/up tiles with fewer loop
+#             instructions per weight byte and against two K steps per loop trip (unroll) (tools/bench_kernels.py
+#             --configs sync), after its GPU tests (-k moe)
 #   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots on the projections
 #             SYNC48 names (default "off gate_up": bench_rollout --moe-sync-dots), each in a process of its own
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh

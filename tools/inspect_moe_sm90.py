@@ -68,7 +68,7 @@ def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool
 
 
 def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync_dots: bool = False,
-                   packed_scales: bool = True):
+                   packed_scales: bool = True, unroll: int = 1):
     """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced; tiles
     "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages)."""
     from dataclasses import replace
@@ -81,7 +81,7 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync
     if tiles:
         bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
         cfg = replace(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    cfg = replace(cfg, sync_dots=sync_dots, packed_scales=packed_scales)
+    cfg = replace(cfg, sync_dots=sync_dots, packed_scales=packed_scales, unroll=unroll)
     nb = 64
     x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
     y = torch.zeros((nb * block_m, n), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
@@ -91,7 +91,7 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync
     vals = [x, q, w.scales, w.global_scale, y, ids, ids[:nb], w.global_scale if gated else torch.zeros(1024),
             n, w.k, 1024, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
             x.stride(0), y.stride(0), FP16_ACC_FACTOR, TOP_K, gated, False, True, block_m, cfg.block_n,
-            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.sync_dots, cfg.packed_scales]
+            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.sync_dots, cfg.packed_scales, cfg.unroll]
     kw = dict(zip(names, vals))
     return cfg, _compile(m._moe_gemm_kernel, kw, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), False)
 
@@ -140,6 +140,8 @@ def main(argv=None) -> int:
                     "wgmma serialization by ptxas), or not; heuristic: as moe_grouped_gemm.SYNC_DOTS says")
     ap.add_argument("--byte-scales", action="store_true", help="the Triton kernel decoding its NVFP4 scales byte by "
                     "byte (MoEConfig.packed_scales=False, before 2026-12-07)")
+    ap.add_argument("--unroll", type=int, default=1, help="the Triton kernel's K steps per loop trip "
+                    "(MoEConfig.unroll)")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--dump", default="")
     a = ap.parse_args(argv)
@@ -151,12 +153,13 @@ def main(argv=None) -> int:
         for bm in (int(v) for v in a.block_m.split(",")):
             for tiles in ([] if a.no_triton else a.triton_tiles.split(",") if a.triton_tiles else [""]):
                 sync = m.SYNC_DOTS['gate_up' if gated else 'down'] if a.sync_dots == 'heuristic' else a.sync_dots == 'on'
-                cfg, k = compile_triton(gated, bm, x_pre, tiles, sync, not a.byte_scales)
-                # one trip: block_n rows (x 2 gated) x block_k / 32 groups
+                cfg, k = compile_triton(gated, bm, x_pre, tiles, sync, not a.byte_scales, a.unroll)
+                # one trip: block_n rows (x 2 gated) x block_k / 32 groups, unroll K steps
                 name = (f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                         f"{' tma' if cfg.tma else ''}{' sync-dots' if cfg.sync_dots else ''}"
-                        f"{'' if cfg.packed_scales else ' byte-scales'}")
-                report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32, cfg.num_warps, a.dump)
+                        f"{'' if cfg.packed_scales else ' byte-scales'}{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}")
+                report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32 * cfg.unroll, cfg.num_warps,
+                       a.dump)
             if a.no_gluon:
                 continue
             rows_list = [int(v) for v in a.rows.split(",")] if a.rows else [g.default_rows(gated, bm)]
