@@ -94,16 +94,15 @@ def _settled(acc, DOT_F32: tl.constexpr):
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["n_assign"])
-def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-                     N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
-                     acc_factor,
-                     TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
-                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
-                     PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1):
-    """GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
+@triton.jit
+def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+              N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym, acc_factor,
+              TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+              USE_ASM: tl.constexpr, X_PRE: tl.constexpr, OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr,
+              SYNC_DOTS: tl.constexpr, PACKED_SCALES: tl.constexpr, UNROLL: tl.constexpr):
+    """One tile of a grouped projection: routing block pid_m (of expert), weight-row tile pid_n.
+    GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
     not GATED: y[assign, n] = topk_w[assign] * (x[sorted row] . W[e, n]), n < N = H.
     X_PRE: x is already the fp16 operand x * 2^-8; OUT_SCALED: store y * 2^-8 (fp16), the down
@@ -115,11 +114,6 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     Same products and the same fp32 sums in the same order. PACKED_SCALES: NVFP4 scales decoded four bytes per
     register (w4a16_gemm._SCALE_ASM; the same fp16 values). UNROLL: K steps per loop trip (the loop's
     bookkeeping -- stage indices, barriers, TMA -- paid once per UNROLL steps; the same sums in the same order)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
     HALF: tl.constexpr = BLOCK_K // 2
     SB: tl.constexpr = BLOCK_K // 32 if IS_MX else BLOCK_K // 16
 
@@ -201,6 +195,60 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
         tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
 
 
+
+
+@triton.jit(do_not_specialize=["n_assign"])
+def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+                     N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
+                     acc_factor,
+                     TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
+                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
+                     PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1):
+    """One program per (routing block, weight-row tile): grid (num_blocks, cdiv(N, BLOCK_N)); blocks past the
+    last expert's run exit at once."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, N, K,
+              n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym, acc_factor, TOP_K, GATED,
+              IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED, W_TMA, SYNC_DOTS,
+              PACKED_SCALES, UNROLL)
+
+
+@triton.jit(do_not_specialize=["n_assign", "num_blocks", "num_progs"])
+def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+                     N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
+                     acc_factor,
+                     TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
+                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
+                     PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+                                num_blocks=0, num_progs=1, BLOCKS_POW2: tl.constexpr = 1,
+                                FLATTEN: tl.constexpr = True):
+    """The same tiles from num_progs resident programs, each walking tiles num_progs apart (persistent). Why:
+    with FLATTEN the compiler pipelines the tile loop and the K loop as one, so a program's loads for its next
+    tile are in flight while it finishes the current one (no pipeline fill per tile), and the grid is sized to
+    the machine, not to the worst-case routing. The valid blocks (a prefix of block_expert, >= 0) are counted
+    here, from the num_blocks entries, so no host value depends on the routing."""
+    offs_b = tl.arange(0, BLOCKS_POW2)
+    experts = tl.load(block_expert_ptr + offs_b, mask=offs_b < num_blocks, other=-1)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.sum((experts >= 0).to(tl.int32), axis=0) * n_tiles_n
+    for tile in tl.range(tl.program_id(0), n_tiles, num_progs, flatten=FLATTEN):
+        pid_m = tile // n_tiles_n
+        pid_n = tile % n_tiles_n
+        expert = tl.load(block_expert_ptr + pid_m)
+        _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, N, K,
+              n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym, acc_factor, TOP_K, GATED,
+              IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED, W_TMA, SYNC_DOTS,
+              PACKED_SCALES, UNROLL)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Configs and API
 # ----------------------------------------------------------------------------------------------------
@@ -223,6 +271,8 @@ class MoEConfig:
     sync_dots: bool = False   # tensor-core kernel: each projection's dots wait for the MMAs in flight (SYNC_DOTS)
     packed_scales: bool = True  # tensor-core kernel: NVFP4 scales decoded 4 bytes per register (PACKED_SCALES)
     unroll: int = 1           # tensor-core kernel: K steps per loop trip (UNROLL)
+    persistent: int = 0       # tensor-core kernel: resident programs per SM walking all tiles, their tile and K
+    #                           loops pipelined as one (_moe_gemm_persistent_kernel); 0: one program per tile
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -302,9 +352,12 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     if cfg.sync_dots and (cfg.gemv or cfg.gluon):
         raise ValueError("MoE config sync_dots is a Triton tensor-core kernel option; the GEMV and the Gluon "
                          "kernel take sync_dots=False")
-    if cfg.unroll != 1 and (cfg.gemv or cfg.gluon):
-        raise ValueError(f"MoE config unroll={cfg.unroll} is a Triton tensor-core kernel option; the GEMV and the "
-                         "Gluon kernel take unroll=1")
+    for name, value, neutral in (("unroll", cfg.unroll, 1), ("persistent", cfg.persistent, 0)):
+        if value != neutral and (cfg.gemv or cfg.gluon):
+            raise ValueError(f"MoE config {name}={value} is a Triton tensor-core kernel option; the GEMV and the "
+                             f"Gluon kernel take {name}={neutral}")
+    if cfg.persistent < 0:
+        raise ValueError(f"MoE config persistent={cfg.persistent}: programs per SM must be >= 0 (0: one per tile)")
     if cfg.unroll < 1:
         raise ValueError(f"MoE config unroll={cfg.unroll}: K steps per loop trip must be >= 1")
     n = w.n // 2 if gated else w.n
@@ -326,20 +379,32 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                                INTERPRET, cfg.asm)
     is_mx = w.fmt == "mxfp4"
     fp16 = cfg.fp16_dot and not is_mx
-    grid = (routing.num_blocks, triton.cdiv(n, cfg.block_n))
     use_tma = cfg.tma and tma_compatible(w.qweight) and (cfg.block_k // 2) % 16 == 0   # else pointer loads
     q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if use_tma else w.qweight
-    _moe_gemm_kernel[grid](
-        x, q, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,
-        topk_w if topk_w is not None else w.global_scale,
-        n, k, routing.n_assign, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
-        w.scales.stride(1), x.stride(0), y.stride(0), FP16_ACC_FACTOR,
-        TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
-        X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
-        SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, UNROLL=cfg.unroll, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    args = (x, q, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,
+            topk_w if topk_w is not None else w.global_scale,
+            n, k, routing.n_assign, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
+            w.scales.stride(1), x.stride(0), y.stride(0), FP16_ACC_FACTOR)
+    consts = dict(TOP_K=routing.top_k, GATED=gated, IS_MX=is_mx, FP16=fp16, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
+                  X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
+                  SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, UNROLL=cfg.unroll,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tiles = routing.num_blocks * triton.cdiv(n, cfg.block_n)
+    if cfg.persistent:
+        progs = max(1, min(tiles, _multiprocessors(x.device) * cfg.persistent))
+        _moe_gemm_persistent_kernel[(progs,)](*args, num_blocks=routing.num_blocks, num_progs=progs,
+                                              BLOCKS_POW2=triton.next_power_of_2(routing.num_blocks), **consts)
+    else:
+        _moe_gemm_kernel[(routing.num_blocks, triton.cdiv(n, cfg.block_n))](*args, **consts)
     return y
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of the device (the persistent kernel's programs are a multiple of it); 4 off the GPU (interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def moe_gate_up(x: torch.Tensor, w13: PreparedFP4Weight, routing: MoERouting,

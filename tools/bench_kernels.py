@@ -208,6 +208,12 @@ def moe_configs(moe, t, mode):
             gu2 = replace(gu, unroll=2, num_stages=2)
             dn2 = replace(dn, unroll=2, num_stages=2, sync_dots=True)
             out += [(gu2, dn), (gu, dn2), (gu2, dn2), (gu2, replace(dn2, sync_dots=False))]
+            # persistent programs (MoEConfig.persistent: tile and K loops pipelined as one, no pipeline fill per
+            # tile), as many per SM as their registers allow (inspect_moe_sm90 on the persistent kernel: gate/up
+            # 122 registers at 32-row blocks, 95 at 16; down 196 with 128-row tiles, 96 with 64)
+            gup = replace(gu, persistent=4 if gu.block_m == 32 else 5)
+            dnp = replace(dn, persistent=2 if dn.block_n == 128 else 5)
+            out += [(gup, dn), (gu, dnp), (gup, dnp)]
     return list(dict.fromkeys(out))
 
 
@@ -260,10 +266,12 @@ def moe_config_name(gu, dn) -> str:
     return (f"{kind}gu {gu.block_m}x{gu.block_n}x{gu.block_k}/w{gu.num_warps}"
             f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
             f"{'/sync' if gu.sync_dots else ''}"
-            f"{'' if gu.packed_scales else '/bytescales'}{f'/u{gu.unroll}' if gu.unroll > 1 else ''} dn "
+            f"{'' if gu.packed_scales else '/bytescales'}{f'/u{gu.unroll}' if gu.unroll > 1 else ''}"
+            f"{f'/p{gu.persistent}' if gu.persistent else ''} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
             f"{'/tma' if dn.tma else ''}{'/sync' if dn.sync_dots else ''}"
-            f"{'' if dn.packed_scales else '/bytescales'}{f'/u{dn.unroll}' if dn.unroll > 1 else ''}")
+            f"{'' if dn.packed_scales else '/bytescales'}{f'/u{dn.unroll}' if dn.unroll > 1 else ''}"
+            f"{f'/p{dn.persistent}' if dn.persistent else ''}")
 
 
 def plan(args):
@@ -688,8 +696,8 @@ def main():
                     "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
                     "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; sync: the "
                     "heuristic against the kernel before 2026-12-07, against sync_dots (dots that wait for the "
-                    "MMAs in flight) switched on gate/up, down, both, and against two K steps per loop trip "
-                    "(unroll)")
+                    "MMAs in flight) switched on gate/up, down, both, against two K steps per loop trip "
+                    "(unroll) and against persistent programs")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")
