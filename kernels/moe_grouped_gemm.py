@@ -310,6 +310,11 @@ BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
 # sync, whole MoE layer): on gate/up 178.2 -> 167.5 us at T = 256, 248.5 -> 240.7 at 512, 161.0 -> 159.5 at 128;
 # on down within +-0.5% (so off: 125 -> 156 registers at 32-row blocks for nothing)
 SYNC_DOTS = {"gate_up": True, "down": False}
+# MoEConfig.persistent (resident programs per SM) of the heuristic's 16-row gate/up configs; 0: one program per tile.
+# H100, 2026-12-08 (tools/bench_kernels.py --configs sync, whole MoE layer at T = 128, 8 per expert): 5 per SM
+# 159.7 -> 156.6 us; on down 165.2 (slower), at 32-row blocks 167.8 -> 169.1 (T = 256), so off there. Off here too
+# until the decode step has measured it (bench_rollout --moe-persistent)
+PERSISTENT_GATE_UP_BLOCK16 = 0
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
@@ -338,7 +343,8 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
     return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4",
-                     sync_dots=SYNC_DOTS["gate_up" if gated else "down"])
+                     sync_dots=SYNC_DOTS["gate_up" if gated else "down"],
+                     persistent=PERSISTENT_GATE_UP_BLOCK16 if gated and bm == 16 else 0)
 
 
 def converts_input(cfg: MoEConfig, fmt: str) -> bool:

@@ -702,6 +702,11 @@ def test_moe_sync_dots(fmt, monkeypatch):
     assert not heuristic_moe_config(16, 128, 768, 2048, True).sync_dots          # the GEMV
     monkeypatch.setitem(mg.SYNC_DOTS, "gate_up", False)
     assert not heuristic_moe_config(16 * 128, 128, 768, 2048, True).sync_dots
+    assert mg.PERSISTENT_GATE_UP_BLOCK16 == 0 and heuristic_moe_config(8 * 128, 128, 768, 2048, True).persistent == 0
+    monkeypatch.setattr(mg, "PERSISTENT_GATE_UP_BLOCK16", 5)
+    assert heuristic_moe_config(8 * 128, 128, 768, 2048, True).persistent == 5       # 16-row gate/up blocks
+    assert heuristic_moe_config(8 * 128, 128, 2048, 768, False).persistent == 0      # down
+    assert heuristic_moe_config(16 * 128, 128, 768, 2048, True).persistent == 0      # 32-row blocks
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     w13, w2, x, ids, tw = _moe_case(fmt, 4, 128, 96, 2, 20, gen)

@@ -90,6 +90,9 @@ def _parse(argv):
     p.add_argument("--moe-sync-dots", choices=["off", "gate_up", "both"], default=None,
                    help="experiment: the projections whose grouped expert kernel waits for the MMAs in flight "
                         "(moe_grouped_gemm.SYNC_DOTS; default: the module's, gate_up)")
+    p.add_argument("--moe-persistent", type=int, default=None,
+                   help="experiment: persistent programs per SM of the 16-row gate/up expert kernel "
+                        "(moe_grouped_gemm.PERSISTENT_GATE_UP_BLOCK16; 0: one program per tile, the default)")
     p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
                    help="quant.targets of the engines (all_linears: FP4 attention linears too)")
     p.add_argument("--json", default=None)
@@ -550,9 +553,14 @@ def run(a) -> dict:
         from megatron_qrl.kernels import moe_grouped_gemm
 
         moe_grouped_gemm.SYNC_DOTS.update(gate_up=a.moe_sync_dots != "off", down=a.moe_sync_dots == "both")
+    if a.moe_persistent is not None:
+        from megatron_qrl.kernels import moe_grouped_gemm
+
+        moe_grouped_gemm.PERSISTENT_GATE_UP_BLOCK16 = a.moe_persistent
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
            "moe_tokens_per_expert": a.moe_tokens_per_expert, "moe_kernel": a.moe_kernel,
            "moe_block32_from": a.moe_block32_from, "moe_sync_dots": a.moe_sync_dots,
+           "moe_persistent": a.moe_persistent,
            "layers": a.layers, "batches": a.batches, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
            "reps": a.reps, "tiny": a.tiny, "targets": a.targets, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {},
            "floor_ms": {}, "checks": {}, "overheads": {}, "decode": {}}

@@ -32,6 +32,9 @@
 #             --configs sync), after its GPU tests (-k moe)
 #   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots on the projections
 #             SYNC48 names (default "off gate_up": bench_rollout --moe-sync-dots), each in a process of its own
+#   pers48    48 layers, FP4 only, batches PERS48_BATCHES (64,128: 16-row expert blocks): the decode step with the
+#             16-row gate/up expert kernel's persistent programs per SM in PERS48 (default "0 5": bench_rollout
+#             --moe-persistent), each in a process of its own
 # Usage (repository root): OUT=results/ [PARTS="tests roll4"] bash tools/gpu_session_decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -122,6 +125,13 @@ if part sync48; then
       --moe-sync-dots $v 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
   done
 fi
+if part pers48; then
+  for v in ${PERS48:-0 5}; do
+    OUT=$O/pers48_$v BENCH_TIMEOUT="${T_PERS48:-150}" bash tools/gpu_rollout.sh --layers 48 \
+      --batches "${PERS48_BATCHES:-64,128}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" \
+      --moe-persistent $v 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
+  done
+fi
 if part block32; then
   for from in ${BLOCK32_FROM:-8 0}; do
     OUT=$O/block32_$from BENCH_TIMEOUT="${T_BLOCK32:-150}" bash tools/gpu_rollout.sh --layers 48 --batches 256 \
@@ -140,7 +150,7 @@ if part lean48; then
     | grep -v "top kernels" | tail -14
   grep "GPU memory" "$O/lean48/bench_rollout.log"
 fi
-DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesync sync48_* block32_*"
+DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesync sync48_* pers48_* block32_*"
 # shellcheck disable=SC2086
 cd "$O" && tar czf all.tgz $(ls -d $DIRS tests_gpu.txt copy_probe.txt graph_launch.json genprof_*.txt 2>/dev/null) \
   && rm -rf $DIRS
