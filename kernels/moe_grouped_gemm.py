@@ -95,8 +95,8 @@ def _settled(acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-              N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym, acc_factor,
+def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
+              topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym, acc_factor,
               TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
               USE_ASM: tl.constexpr, X_PRE: tl.constexpr, OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr,
@@ -195,8 +195,6 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
         tl.store(y_ptrs, _cast_out(out, y_ptr, DOT_F32), mask=n_mask[:, None] & valid[None, :])
 
 
-
-
 @triton.jit(do_not_specialize=["n_assign"])
 def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
                      N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
@@ -213,22 +211,22 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, N, K,
-              n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym, acc_factor, TOP_K, GATED,
-              IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED, W_TMA, SYNC_DOTS,
-              PACKED_SCALES, UNROLL)
+    _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
+              topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
+              acc_factor, TOP_K, GATED, IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED,
+              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL)
 
 
 @triton.jit(do_not_specialize=["n_assign", "num_blocks", "num_progs"])
-def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-                     N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
-                     acc_factor,
-                     TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
-                     OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
-                     PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-                                num_blocks=0, num_progs=1, BLOCKS_POW2: tl.constexpr = 1,
+def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
+                                topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm,
+                                stride_ym, acc_factor,
+                                TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
+                                OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False,
+                                SYNC_DOTS: tl.constexpr = False, PACKED_SCALES: tl.constexpr = False,
+                                UNROLL: tl.constexpr = 1, num_blocks=0, num_progs=1, BLOCKS_POW2: tl.constexpr = 1,
                                 FLATTEN: tl.constexpr = True):
     """The same tiles from num_progs resident programs, each walking tiles num_progs apart (persistent). Why:
     with FLATTEN the compiler pipelines the tile loop and the K loop as one, so a program's loads for its next
@@ -243,10 +241,10 @@ def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_p
         pid_m = tile // n_tiles_n
         pid_n = tile % n_tiles_n
         expert = tl.load(block_expert_ptr + pid_m)
-        _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, N, K,
-              n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym, acc_factor, TOP_K, GATED,
-              IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED, W_TMA, SYNC_DOTS,
-              PACKED_SCALES, UNROLL)
+        _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
+              topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
+              acc_factor, TOP_K, GATED, IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED,
+              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL)
 
 
 # ----------------------------------------------------------------------------------------------------

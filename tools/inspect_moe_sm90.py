@@ -91,7 +91,8 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync
     vals = [x, q, w.scales, w.global_scale, y, ids, ids[:nb], w.global_scale if gated else torch.zeros(1024),
             n, w.k, 1024, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
             x.stride(0), y.stride(0), FP16_ACC_FACTOR, TOP_K, gated, False, True, block_m, cfg.block_n,
-            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.sync_dots, cfg.packed_scales, cfg.unroll]
+            cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.sync_dots,
+            cfg.packed_scales, cfg.unroll]
     kw = dict(zip(names, vals))
     return cfg, _compile(m._moe_gemm_kernel, kw, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), False)
 
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
                 # one trip: block_n rows (x 2 gated) x block_k / 32 groups, unroll K steps
                 name = (f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                         f"{' tma' if cfg.tma else ''}{' sync-dots' if cfg.sync_dots else ''}"
-                        f"{'' if cfg.packed_scales else ' byte-scales'}{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}")
+                        f"{'' if cfg.packed_scales else ' byte-scales'}"
+                        f"{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}")
                 report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32 * cfg.unroll, cfg.num_warps,
                        a.dump)
             if a.no_gluon:
