@@ -271,6 +271,8 @@ class MoEConfig:
     unroll: int = 1           # tensor-core kernel: K steps per loop trip (UNROLL)
     persistent: int = 0       # tensor-core kernel: resident programs per SM walking all tiles, their tile and K
     #                           loops pipelined as one (_moe_gemm_persistent_kernel); 0: one program per tile
+    max_regs: int = 0         # tensor-core kernel: registers per thread at most (ptxas maxnreg; 0: its choice), for
+    #                           more programs per SM
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -356,7 +358,8 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     if cfg.sync_dots and (cfg.gemv or cfg.gluon):
         raise ValueError("MoE config sync_dots is a Triton tensor-core kernel option; the GEMV and the Gluon "
                          "kernel take sync_dots=False")
-    for name, value, neutral in (("unroll", cfg.unroll, 1), ("persistent", cfg.persistent, 0)):
+    for name, value, neutral in (("unroll", cfg.unroll, 1), ("persistent", cfg.persistent, 0),
+                                 ("max_regs", cfg.max_regs, 0)):
         if value != neutral and (cfg.gemv or cfg.gluon):
             raise ValueError(f"MoE config {name}={value} is a Triton tensor-core kernel option; the GEMV and the "
                              f"Gluon kernel take {name}={neutral}")
@@ -394,6 +397,8 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                   X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
                   SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, UNROLL=cfg.unroll,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_regs:
+        consts["maxnreg"] = cfg.max_regs
     tiles = routing.num_blocks * triton.cdiv(n, cfg.block_n)
     if cfg.persistent:
         progs = max(1, min(tiles, _multiprocessors(x.device) * cfg.persistent))

@@ -692,8 +692,8 @@ def test_moe_sync_dots(fmt, monkeypatch):
     both projections, and the per-expert reference's MLP; the GEMV refuses it; the heuristic's tensor-core
     configs take it on the projections SYNC_DOTS names (as measured: gate/up). Byte-wise scale decoding
     (packed_scales=False), unrolled K loops (unroll=2 and 3: 2 and 3 K steps here, a remainder included) and
-    persistent programs (each walking several tiles, blocks past the routing's end never visited) give the same
-    bits too; the GEMV refuses unroll and persistent."""
+    persistent programs (each walking several tiles, blocks past the routing's end never visited) and a register
+    cap give the same bits too; the GEMV refuses unroll, persistent and max_regs."""
     from megatron_qrl.kernels import moe_grouped_gemm as mg
 
     assert mg.SYNC_DOTS == {"gate_up": True, "down": False}
@@ -716,7 +716,7 @@ def test_moe_sync_dots(fmt, monkeypatch):
         dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma)
         base = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
         for change in (dict(sync_dots=True), dict(packed_scales=False), dict(unroll=2), dict(unroll=3),
-                       dict(persistent=1), dict(persistent=2, unroll=2)):
+                       dict(persistent=1), dict(persistent=2, unroll=2), dict(max_regs=96)):
             other = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(gu, **change),
                               down_config=replace(dn, **change))
             assert torch.equal(other, base), (seed, change)
@@ -727,6 +727,9 @@ def test_moe_sync_dots(fmt, monkeypatch):
     with pytest.raises(ValueError, match="unroll"):
         moe_w4a16(x, w13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=128, num_stages=1,
                                                                 gemv=True, unroll=2))
+    with pytest.raises(ValueError, match="max_regs"):
+        moe_w4a16(x, w13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=128, num_stages=1,
+                                                                gemv=True, max_regs=96))
     with pytest.raises(ValueError, match="persistent"):
         moe_w4a16(x, w13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=128, num_stages=1,
                                                                 gemv=True, persistent=4))

@@ -214,6 +214,13 @@ def moe_configs(moe, t, mode):
             gup = replace(gu, persistent=4 if gu.block_m == 32 else 5)
             dnp = replace(dn, persistent=2 if dn.block_n == 128 else 5)
             out += [(gup, dn), (gu, dnp), (gup, dnp)]
+            if gu.block_m == 32:
+                # more programs per SM: registers capped at 96 (gate/up 101 -> 96, down 125 -> 96: 5 programs per SM by
+                # registers), with two stages also by shared memory (gate/up 43 -> 26 KB; inspect_moe_sm90: 2 / 22
+                # spill instructions, none in the loop)
+                gu96, dn96 = replace(gu, max_regs=96), replace(dn, max_regs=96)
+                gu96s2, dn96s2 = replace(gu96, num_stages=2), replace(dn96, num_stages=2)
+                out += [(gu96, dn), (gu96s2, dn), (gu, dn96), (gu, dn96s2), (gu96s2, dn96s2)]
     return list(dict.fromkeys(out))
 
 
@@ -267,11 +274,11 @@ def moe_config_name(gu, dn) -> str:
             f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
             f"{'/sync' if gu.sync_dots else ''}"
             f"{'' if gu.packed_scales else '/bytescales'}{f'/u{gu.unroll}' if gu.unroll > 1 else ''}"
-            f"{f'/p{gu.persistent}' if gu.persistent else ''} dn "
+            f"{f'/p{gu.persistent}' if gu.persistent else ''}{f'/r{gu.max_regs}' if gu.max_regs else ''} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
             f"{'/tma' if dn.tma else ''}{'/sync' if dn.sync_dots else ''}"
             f"{'' if dn.packed_scales else '/bytescales'}{f'/u{dn.unroll}' if dn.unroll > 1 else ''}"
-            f"{f'/p{dn.persistent}' if dn.persistent else ''}")
+            f"{f'/p{dn.persistent}' if dn.persistent else ''}{f'/r{dn.max_regs}' if dn.max_regs else ''}")
 
 
 def plan(args):
