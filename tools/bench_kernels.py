@@ -704,7 +704,7 @@ def main():
                     "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; sync: the "
                     "heuristic against the kernel before 2026-12-07, against sync_dots (dots that wait for the "
                     "MMAs in flight) switched on gate/up, down, both, against two K steps per loop trip "
-                    "(unroll) and against persistent programs")
+                    "(unroll), persistent programs and register caps (more programs per SM)")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")

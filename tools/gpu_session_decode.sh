@@ -28,8 +28,8 @@
 #   moesync   the grouped expert kernel at T = MOE_TOKENS (512,256,128,64): the heuristic against the kernel before
 #             2026-12-07 (byte-wise scales, no sync_dots), against sync_dots (dots that wait for the MMAs in flight, so
 #             ptxas pipelines the wgmmas) switched on gate/up, down, both, against gate/up tiles with fewer loop
-#             instructions per weight byte and against two K steps per loop trip (unroll) (tools/bench_kernels.py
-#             --configs sync), after its GPU tests (-k moe)
+#             instructions per weight byte, two K steps per loop trip (unroll), persistent programs and register caps
+#             (tools/bench_kernels.py --configs sync), after its GPU tests (-k moe)
 #   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots on the projections
 #             SYNC48 names (default "off gate_up": bench_rollout --moe-sync-dots), each in a process of its own
 #   pers48    48 layers, FP4 only, batches PERS48_BATCHES (64,128: 16-row expert blocks): the decode step with the
