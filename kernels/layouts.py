@@ -33,7 +33,7 @@ sync (after hashing the synced tensors) and keeps the result until the next sync
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -55,6 +55,8 @@ class PreparedFP4Weight:
     scales:       uint8 [N, K/block] or [E, N, K/block], re-encoded for a one-shift decode (module doc).
     global_scale: float32 [1] or [E]: s_global * 2^22 (nvfp4); unused by mxfp4 (ones).
     fmt:          "nvfp4" or "mxfp4".
+    tile:         None (rows in order), or (block_n, block_k) for expert stacks made tile-major by
+                  `tile_major_experts` (codes [E, N*K/(2*block_k), block_k/2], scales likewise).
     """
 
     qweight: torch.Tensor
@@ -64,6 +66,7 @@ class PreparedFP4Weight:
     n: int
     k: int
     num_experts: Optional[int] = None
+    tile: Optional[Tuple[int, int]] = None
 
     @property
     def block(self) -> int:
@@ -79,7 +82,7 @@ class PreparedFP4Weight:
 
     def to(self, device) -> "PreparedFP4Weight":
         return PreparedFP4Weight(self.qweight.to(device), self.scales.to(device), self.global_scale.to(device),
-                                 self.fmt, self.n, self.k, self.num_experts)
+                                 self.fmt, self.n, self.k, self.num_experts, self.tile)
 
 
 def permute_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -174,10 +177,54 @@ def prepare_mxfp4_weight(packed: torch.Tensor, scales: torch.Tensor) -> Prepared
         fmt="mxfp4", n=packed.shape[-2], k=packed.shape[-1] * 2, num_experts=experts)
 
 
+def tile_major_experts(w: PreparedFP4Weight, block_n: int, block_k: int) -> PreparedFP4Weight:
+    """Expert stacks re-ordered so that each tile of block_n rows x block_k elements (one loop trip of the grouped
+    kernel, `MoEConfig.tile_major`) is one contiguous run of block_n * block_k / 2 code bytes and one of its
+    scale bytes: tile (expert e, row tile r, K step t) is rows (r * K / block_k + t) * block_n ... of expert e.
+    Why: row-major stacks give a trip block_n pieces of block_k / 2 bytes, 1 KB apart (K = 2048), and its scales
+    in pieces of block_k / 16 bytes; the dense MMA GEMV ran 1.06-1.13x faster on such a layout (docs/PERF.md,
+    2026-11-30). A second layout of the same bytes, not a copy the engine keeps: `row_major_experts` inverts it."""
+    if w.num_experts is None or w.tile is not None:
+        raise ValueError("tile_major_experts takes row-major expert stacks [E, N, K/2] (prepare_*_weight on "
+                         f"stacked tensors); got num_experts={w.num_experts}, tile={w.tile}")
+    if block_n <= 0 or block_k <= 0 or w.n % block_n or w.k % block_k or block_k % w.block:
+        raise ValueError(f"tile {block_n} x {block_k} does not divide the {w.n} x {w.k} expert weights into whole "
+                         f"scale blocks of {w.block}; pick block_n | N and block_k | K, block_k a multiple of "
+                         f"{w.block}")
+    return PreparedFP4Weight(_to_tiles(w.qweight, block_n, block_k // 2),
+                             _to_tiles(w.scales, block_n, block_k // w.block), w.global_scale, w.fmt, w.n, w.k,
+                             w.num_experts, (block_n, block_k))
+
+
+def row_major_experts(w: PreparedFP4Weight) -> PreparedFP4Weight:
+    """The inverse of `tile_major_experts` (w itself when it is row-major)."""
+    if w.tile is None:
+        return w
+    block_n, block_k = w.tile
+    return PreparedFP4Weight(_from_tiles(w.qweight, w.n, block_n, block_k // 2),
+                             _from_tiles(w.scales, w.n, block_n, block_k // w.block), w.global_scale, w.fmt,
+                             w.n, w.k, w.num_experts)
+
+
+def _to_tiles(a: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[E, N, C] -> [E, (N / rows) * (C / cols) * rows, cols]: row tile major, then column step, then row."""
+    e, n, c = a.shape
+    return (a.reshape(e, n // rows, rows, c // cols, cols).permute(0, 1, 3, 2, 4)
+            .reshape(e, n * c // cols, cols).contiguous())
+
+
+def _from_tiles(a: torch.Tensor, n: int, rows: int, cols: int) -> torch.Tensor:
+    e, total, _ = a.shape
+    steps = total // n
+    return (a.reshape(e, n // rows, steps, rows, cols).permute(0, 1, 3, 2, 4)
+            .reshape(e, n, steps * cols).contiguous())
+
+
 def dequantize_prepared(w: PreparedFP4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Torch reference: the dense weight a prepared tensor stands for (through the codec's dequantizer)."""
     from megatron_qrl.quant import mxfp4_dequantize, nvfp4_dequantize
 
+    w = row_major_experts(w)
     packed = unpermute_nibbles(w.qweight)
     if w.fmt == "mxfp4":
         return mxfp4_dequantize(packed, (w.scales.to(torch.int32) - 14).to(torch.uint8), dtype)

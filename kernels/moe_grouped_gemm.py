@@ -100,7 +100,8 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
               TOP_K: tl.constexpr, GATED: tl.constexpr, IS_MX: tl.constexpr, FP16: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
               USE_ASM: tl.constexpr, X_PRE: tl.constexpr, OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr,
-              SYNC_DOTS: tl.constexpr, PACKED_SCALES: tl.constexpr, UNROLL: tl.constexpr):
+              SYNC_DOTS: tl.constexpr, PACKED_SCALES: tl.constexpr, UNROLL: tl.constexpr,
+              TILE_MAJOR: tl.constexpr):
     """One tile of a grouped projection: routing block pid_m (of expert), weight-row tile pid_n.
     GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
@@ -113,7 +114,9 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
     every wgmma of the kernel alone and waits for it (C7513 / C7515: 16 waits per gate/up trip instead of 4).
     Same products and the same fp32 sums in the same order. PACKED_SCALES: NVFP4 scales decoded four bytes per
     register (w4a16_gemm._SCALE_ASM; the same fp16 values). UNROLL: K steps per loop trip (the loop's
-    bookkeeping -- stage indices, barriers, TMA -- paid once per UNROLL steps; the same sums in the same order)."""
+    bookkeeping -- stage indices, barriers, TMA -- paid once per UNROLL steps; the same sums in the same order).
+    TILE_MAJOR: the stacks are `layouts.tile_major_experts(w, BLOCK_N, BLOCK_K)` (N % BLOCK_N == 0): trip t of row
+    tile r reads rows (r * K / BLOCK_K + t) * BLOCK_N... whole, one contiguous run of codes and one of scales."""
     HALF: tl.constexpr = BLOCK_K // 2
     SB: tl.constexpr = BLOCK_K // 32 if IS_MX else BLOCK_K // 16
 
@@ -126,6 +129,29 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
         x_row = rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    # trip t's weight tile: row-major stacks step along the rows' K bytes (TMA column t * HALF), tile-major ones
+    # to the next BLOCK_N rows of the tile's run (TMA row + t * BLOCK_N), whose row strides are HALF and SB bytes
+    # (constants, so the compiler sees one contiguous run); up rows lie up_rows past the gate rows
+    if TILE_MAJOR:
+        k_steps = K // BLOCK_K
+        row0 = pid_n * k_steps * BLOCK_N
+        up_rows = (N // BLOCK_N) * k_steps * BLOCK_N
+        w_stride: tl.constexpr = HALF
+        s_stride: tl.constexpr = SB
+        tma_row_step: tl.constexpr = BLOCK_N
+        tma_col_step: tl.constexpr = 0
+        code_step: tl.constexpr = BLOCK_N * HALF
+        scale_step: tl.constexpr = BLOCK_N * SB
+    else:
+        row0 = pid_n * BLOCK_N
+        up_rows = N
+        w_stride = stride_wn
+        s_stride = stride_sn
+        tma_row_step: tl.constexpr = 0
+        tma_col_step: tl.constexpr = HALF
+        code_step: tl.constexpr = HALF
+        scale_step: tl.constexpr = SB
+    w_row = row0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, HALF)
     k_lo = (kk // 16) * 32 + (kk % 16)
     ks = tl.arange(0, SB)
@@ -136,8 +162,8 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
     if W_TMA:
         w_rows = w_ptr
     else:
-        w_rows = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-    s_rows = s_base + offs_n.to(tl.int64)[:, None] * stride_sn + ks[None, :]
+        w_rows = w_ptr + e64 * stride_we + w_row.to(tl.int64)[:, None] * w_stride + kk[None, :]
+    s_rows = s_base + w_row.to(tl.int64)[:, None] * s_stride + ks[None, :]
     x_rows = x_ptr + x_row.to(tl.int64)[:, None] * stride_xm + k_lo[None, :]
     x_mask = valid[:, None]
 
@@ -147,17 +173,17 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
         if W_TMA:
             wu_rows = w_ptr
         else:
-            wu_rows = w_rows + N.to(tl.int64) * stride_wn
-        su_rows = s_rows + N.to(tl.int64) * stride_sn
+            wu_rows = w_rows + up_rows.to(tl.int64) * w_stride
+        su_rows = s_rows + up_rows.to(tl.int64) * s_stride
     for t in tl.range(0, K // BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = t * BLOCK_K
         x_lo = _prep_x(tl.load(x_rows + k0, mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
         x_hi = _prep_x(tl.load(x_rows + (k0 + 16), mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
         if W_TMA:
-            b = tl.reshape(w_rows.load([expert, pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
+            b = tl.reshape(w_rows.load([expert, row0 + t * tma_row_step, t * tma_col_step]), (BLOCK_N, HALF))
         else:
-            b = tl.load(w_rows + t * HALF, mask=n_mask[:, None], other=0)
-        sb = tl.load(s_rows + t * SB, mask=n_mask[:, None], other=0)
+            b = tl.load(w_rows + t * code_step, mask=n_mask[:, None], other=0)
+        sb = tl.load(s_rows + t * scale_step, mask=n_mask[:, None], other=0)
         w_lo, w_hi = _dequant_tile(b, sb, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32, PACKED_SCALES)
         if SYNC_DOTS:      # the previous trip's last dot (up, or this projection's) completes first
             if GATED:
@@ -168,10 +194,11 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
         acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
         if GATED:
             if W_TMA:
-                bu = tl.reshape(wu_rows.load([expert, N + pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
+                bu = tl.reshape(wu_rows.load([expert, row0 + up_rows + t * tma_row_step, t * tma_col_step]),
+                                (BLOCK_N, HALF))
             else:
-                bu = tl.load(wu_rows + t * HALF, mask=n_mask[:, None], other=0)
-            sbu = tl.load(su_rows + t * SB, mask=n_mask[:, None], other=0)
+                bu = tl.load(wu_rows + t * code_step, mask=n_mask[:, None], other=0)
+            sbu = tl.load(su_rows + t * scale_step, mask=n_mask[:, None], other=0)
             u_lo, u_hi = _dequant_tile(bu, sbu, gs, BLOCK_N, HALF, IS_MX, FP16, USE_ASM, DOT_F32, PACKED_SCALES)
             if SYNC_DOTS:
                 acc = _settled(acc, DOT_F32)
@@ -203,7 +230,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
                      OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
-                     PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1):
+                     PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+                     TILE_MAJOR: tl.constexpr = False):
     """One program per (routing block, weight-row tile): grid (num_blocks, cdiv(N, BLOCK_N)); blocks past the
     last expert's run exit at once."""
     pid_m = tl.program_id(0)
@@ -214,7 +242,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
               topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
               acc_factor, TOP_K, GATED, IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED,
-              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL)
+              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL, TILE_MAJOR)
 
 
 @triton.jit(do_not_specialize=["n_assign", "num_blocks", "num_progs"])
@@ -226,8 +254,8 @@ def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_p
                                 DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
                                 OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False,
                                 SYNC_DOTS: tl.constexpr = False, PACKED_SCALES: tl.constexpr = False,
-                                UNROLL: tl.constexpr = 1, num_blocks=0, num_progs=1, BLOCKS_POW2: tl.constexpr = 1,
-                                FLATTEN: tl.constexpr = True):
+                                UNROLL: tl.constexpr = 1, TILE_MAJOR: tl.constexpr = False, num_blocks=0,
+                                num_progs=1, BLOCKS_POW2: tl.constexpr = 1, FLATTEN: tl.constexpr = True):
     """The same tiles from num_progs resident programs, each walking tiles num_progs apart (persistent). Why:
     with FLATTEN the compiler pipelines the tile loop and the K loop as one, so a program's loads for its next
     tile are in flight while it finishes the current one (no pipeline fill per tile), and the grid is sized to
@@ -244,7 +272,7 @@ def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_p
         _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
               topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
               acc_factor, TOP_K, GATED, IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED,
-              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL)
+              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL, TILE_MAJOR)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,6 +301,8 @@ class MoEConfig:
     #                           loops pipelined as one (_moe_gemm_persistent_kernel); 0: one program per tile
     max_regs: int = 0         # tensor-core kernel: registers per thread at most (ptxas maxnreg; 0: its choice), for
     #                           more programs per SM
+    tile_major: bool = False  # tensor-core kernel over stacks from layouts.tile_major_experts(w, block_n, block_k):
+    #                           each trip's weight tile one contiguous run (TILE_MAJOR)
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -363,6 +393,13 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
         if value != neutral and (cfg.gemv or cfg.gluon):
             raise ValueError(f"MoE config {name}={value} is a Triton tensor-core kernel option; the GEMV and the "
                              f"Gluon kernel take {name}={neutral}")
+    if w.tile is not None or cfg.tile_major:
+        if cfg.gemv or cfg.gluon or not cfg.tile_major or w.tile != (cfg.block_n, cfg.block_k):
+            raise ValueError(f"MoE weights with tile={w.tile} under a config with tile_major={cfg.tile_major}, "
+                             f"block_n={cfg.block_n}, block_k={cfg.block_k}{', gemv' if cfg.gemv else ''}"
+                             f"{', gluon' if cfg.gluon else ''}: tile-major stacks are read by the tensor-core kernel "
+                             "only, with tile_major=True and their own (block_n, block_k); pass "
+                             "layouts.tile_major_experts(w, block_n, block_k) with such a config, or row-major stacks")
     if cfg.persistent < 0:
         raise ValueError(f"MoE config persistent={cfg.persistent}: programs per SM must be >= 0 (0: one per tile)")
     if cfg.unroll < 1:
@@ -379,6 +416,9 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                       num_stages=max(2, cfg.num_stages))
     if k % cfg.block_k:
         raise ValueError(f"MoE config block_k={cfg.block_k} does not divide K={k}")
+    if cfg.tile_major and n % cfg.block_n:
+        raise ValueError(f"MoE config block_n={cfg.block_n} does not divide the projection's {n} rows: tile-major "
+                         "gate/up stacks need whole gate and up tiles")
     if cfg.gemv:
         from .moe_gemv import launch_moe_gemv
 
@@ -396,6 +436,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
                   X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
                   SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, UNROLL=cfg.unroll,
+                  TILE_MAJOR=cfg.tile_major,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_regs:
         consts["maxnreg"] = cfg.max_regs

@@ -735,6 +735,58 @@ def test_moe_sync_dots(fmt, monkeypatch):
                                                                 gemv=True, persistent=4))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_moe_tile_major_stacks(fmt):
+    """Tile-major expert stacks (each loop trip's block_n x block_k weight tile one contiguous run of codes and one
+    of scales) hold the same weights in another order: the inverse restores the stacks, a tile is the slice it
+    stands for, the dequantized weights agree, and the kernel over them (tile_major=True) gives the same output
+    bits as over the row-major stacks -- pointer and TMA tiles, unrolled and persistent. Configs and stacks that
+    do not match, and the GEMV, are refused."""
+    from megatron_qrl.kernels.layouts import row_major_experts, tile_major_experts
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2, x, ids, tw = _moe_case(fmt, 4, 128, 96, 2, 20, gen)
+    t13 = tile_major_experts(w13, 32, 64)
+    back = row_major_experts(t13)
+    assert t13.tile == (32, 64) and back.tile is None and t13.nbytes() == w13.nbytes()
+    assert torch.equal(back.qweight, w13.qweight) and torch.equal(back.scales, w13.scales)
+    sb = 64 // w13.block
+    # expert 2, row tile 3 (the second up tile: rows 96..127), K step 1 of 2
+    assert torch.equal(t13.qweight[2, (3 * 2 + 1) * 32:(3 * 2 + 2) * 32], w13.qweight[2, 96:128, 32:64])
+    assert torch.equal(t13.scales[2, (3 * 2 + 1) * 32:(3 * 2 + 2) * 32], w13.scales[2, 96:128, sb:2 * sb])
+    assert torch.equal(dequantize_prepared(t13, torch.float32), dequantize_prepared(w13, torch.float32))
+    t2 = tile_major_experts(w2, 32, 32)
+    for tma, x_pre in ((False, False), (True, True)):
+        gu = MoEConfig(block_m=16, block_n=32, block_k=64, x_pre=x_pre, tma=tma)
+        dn = MoEConfig(block_m=16, block_n=32, block_k=32, tma=tma)
+        base = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
+        for change in (dict(), dict(unroll=2), dict(persistent=2, sync_dots=True)):
+            tiled = moe_w4a16(x, t13, t2, ids, tw, gate_up_config=replace(gu, tile_major=True, **change),
+                              down_config=replace(dn, tile_major=True, **change))
+            assert torch.equal(tiled, base), (seed, tma, change)
+        mixed = moe_w4a16(x, t13, w2, ids, tw, gate_up_config=replace(gu, tile_major=True), down_config=dn)
+        assert torch.equal(mixed, base), (seed, tma)
+    gu = MoEConfig(block_m=16, block_n=32, block_k=64)
+    dn = MoEConfig(block_m=16, block_n=32, block_k=32)
+    with pytest.raises(ValueError, match="tile-major stacks"):        # tiled stacks, row-major config
+        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=gu, down_config=dn)
+    with pytest.raises(ValueError, match="tile-major stacks"):        # row-major stacks, tile-major config
+        moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(gu, tile_major=True), down_config=dn)
+    with pytest.raises(ValueError, match="tile-major stacks"):        # another tile
+        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=replace(gu, block_n=64, tile_major=True), down_config=dn)
+    with pytest.raises(ValueError, match="tile-major stacks"):        # the GEMV reads row-major stacks
+        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=64, num_stages=1,
+                                                               gemv=True, tile_major=True))
+    with pytest.raises(ValueError, match="whole gate and up tiles"):  # 96 gate rows in 64-row tiles
+        moe_w4a16(x, tile_major_experts(w13, 64, 64), w2, ids, tw,
+                  gate_up_config=replace(gu, block_n=64, tile_major=True), down_config=dn)
+    with pytest.raises(ValueError, match="does not divide"):
+        tile_major_experts(w2, 48, 32)
+    with pytest.raises(ValueError, match="row-major expert stacks"):
+        tile_major_experts(t13, 32, 64)
+
+
 def test_moe_takes_a_precomputed_fp16_operand():
     """x_operand (to_fp16_operand of x, which the decode step's norm writes in its own launch) replaces the
     gate/up conversion launch where the config converts its input, with the same output bits; a config that

@@ -144,7 +144,7 @@ def rel_err(y, ref):
 def dense_configs(dense, fmt, m, n, k, mode, only=""):
     """The default config, plus (mode "all") the autotuner's candidates, optionally only those whose names
     start with one of the comma-separated prefixes in `only` (e.g. "T,V": the two GEMV kernels)."""
-    if mode in ("heuristic", "gluon", "blocks", "sync"):
+    if mode in ("heuristic", "gluon", "blocks", "sync", "layout"):
         return [dense.heuristic_config(fmt, m, n, k)]
     cands = dense.candidate_configs(fmt, m, n, k)
     if only:
@@ -221,7 +221,25 @@ def moe_configs(moe, t, mode):
                 gu96, dn96 = replace(gu, max_regs=96), replace(dn, max_regs=96)
                 gu96s2, dn96s2 = replace(gu96, num_stages=2), replace(dn96, num_stages=2)
                 out += [(gu96, dn), (gu96s2, dn), (gu, dn96), (gu, dn96s2), (gu96s2, dn96s2)]
+    if mode == "layout" and not gu.gemv and not gu.gluon:
+        # tile-major stacks (MoEConfig.tile_major, layouts.tile_major_experts): each trip's weight tile one contiguous
+        # run of codes and one of scales, instead of block_n rows' pieces of block_k / 2 bytes 1 KB apart (and
+        # 8-byte scale pieces): on gate/up, down, both; both with the register cap of the sync rows
+        gut, dnt = replace(gu, tile_major=True), replace(dn, tile_major=True)
+        out += [(gut, dn), (gu, dnt), (gut, dnt)]
+        if gu.block_m == 32:
+            out.append((replace(gut, max_regs=96), replace(dnt, max_regs=96)))
     return list(dict.fromkeys(out))
+
+
+def stacks_for(layouts, cfg, w, cache: dict):
+    """w as cfg reads it: tile-major stacks of cfg's tile (made once per weight and tile, kept in cache) or w."""
+    if not cfg.tile_major:
+        return w
+    key = (id(w), cfg.block_n, cfg.block_k)
+    if key not in cache:
+        cache[key] = layouts.tile_major_experts(w, cfg.block_n, cfg.block_k)
+    return cache[key]
 
 
 def block_variants(moe, n_assign):
@@ -274,11 +292,13 @@ def moe_config_name(gu, dn) -> str:
             f"s{gu.num_stages}{'/xpre' if gu.x_pre else ''}{'/tma' if gu.tma else ''}"
             f"{'/sync' if gu.sync_dots else ''}"
             f"{'' if gu.packed_scales else '/bytescales'}{f'/u{gu.unroll}' if gu.unroll > 1 else ''}"
-            f"{f'/p{gu.persistent}' if gu.persistent else ''}{f'/r{gu.max_regs}' if gu.max_regs else ''} dn "
+            f"{f'/p{gu.persistent}' if gu.persistent else ''}{f'/r{gu.max_regs}' if gu.max_regs else ''}"
+            f"{'/tiled' if gu.tile_major else ''} dn "
             f"{'G' if dn.gluon else ''}{dn.block_n}x{dn.block_k}/w{dn.num_warps}s{dn.num_stages}"
             f"{'/tma' if dn.tma else ''}{'/sync' if dn.sync_dots else ''}"
             f"{'' if dn.packed_scales else '/bytescales'}{f'/u{dn.unroll}' if dn.unroll > 1 else ''}"
-            f"{f'/p{dn.persistent}' if dn.persistent else ''}{f'/r{dn.max_regs}' if dn.max_regs else ''}")
+            f"{f'/p{dn.persistent}' if dn.persistent else ''}{f'/r{dn.max_regs}' if dn.max_regs else ''}"
+            f"{'/tiled' if dn.tile_major else ''}")
 
 
 def plan(args):
@@ -314,7 +334,9 @@ def _compile_case(case):
             w2 = _random_prepared(layouts, fmt, MOE["experts"], MOE["hidden"], MOE["ffn"])
             x = torch.randn(t, MOE["hidden"], device=DEV, dtype=torch.bfloat16)
             ids, tw = _routing(t)
-            moe.moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu, down_config=dn)
+            tiles = {}
+            moe.moe_w4a16(x, stacks_for(layouts, gu, w13, tiles), stacks_for(layouts, dn, w2, tiles), ids, tw,
+                          gate_up_config=gu, down_config=dn)
         if DEV == "cuda":
             torch.cuda.synchronize()
         return None
@@ -509,6 +531,7 @@ def bench_moe(args, copy_bw, log):
     per_expert_bf16 = 2 * (2 * f * h + h * f)
     use_gmm = hasattr(torch, "_grouped_mm")
     rows = []
+    tiles = {}          # tile-major stacks of the weights above, per tile (configs with tile_major)
     for t in args.moe_tokens:
         x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16, generator=gen)
         routs = [_routing(t, gen) for _ in range(copies)]
@@ -539,10 +562,11 @@ def bench_moe(args, copy_bw, log):
         for gu, dn in moe_configs(moe, t, args.configs):
             xx = torch.randn(t, h, device=DEV, dtype=torch.bfloat16, generator=gen)
             i2, w2r = _routing(t, gen)
+            w13c, w2c = stacks_for(layouts, gu, w13q, tiles), stacks_for(layouts, dn, w2q, tiles)
             err = safe(log, f"moe T={t} check", lambda: max(
-                rel_err(moe.moe_w4a16(xx, w13q, w2q, i2, w2r, gate_up_config=gu, down_config=dn),
+                rel_err(moe.moe_w4a16(xx, w13c, w2c, i2, w2r, gate_up_config=gu, down_config=dn),
                         moe.moe_w4a16_reference(xx, w13q, w2q, i2, w2r, deq)),
-                rel_err(moe.moe_w4a16(x, w13q, w2q, ids, tw, gate_up_config=gu, down_config=dn), ref)),
+                rel_err(moe.moe_w4a16(x, w13c, w2c, ids, tw, gate_up_config=gu, down_config=dn), ref)),
                 float("inf"))
             name = moe_config_name(gu, dn)
             if err > 2e-2:
@@ -551,8 +575,9 @@ def bench_moe(args, copy_bw, log):
                 continue
             ralign = [moe.moe_align(i, e, gu.block_m) for i, _ in routs]
             us = safe(log, f"time moe T={t} {name}", lambda: graph_time_us(
-                [lambda w=w, r=r, ww=ww: moe.moe_w4a16(x, w[0], w[1], None, ww[1], routing=r, gate_up_config=gu,
-                                                       down_config=dn)
+                [lambda w=w, r=r, ww=ww: moe.moe_w4a16(x, stacks_for(layouts, gu, w[0], tiles),
+                                                       stacks_for(layouts, dn, w[1], tiles), None, ww[1], routing=r,
+                                                       gate_up_config=gu, down_config=dn)
                  for w, r, ww in zip(fp4, ralign, routs)], args.rep_ms))
             results.append(dict(config=name, err=err, us=us))
             log(f"  moe T={t} {name}: {us if us is not None else float('nan'):.1f} us, rel_err {err:.1e}")
@@ -698,13 +723,15 @@ def main():
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--moe-tokens", type=lambda s: [int(v) for v in s.split(",")], default=MS)
     ap.add_argument("--formats", type=lambda s: s.split(","), default=["nvfp4", "mxfp4"])
-    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks", "sync"], default="heuristic",
+    ap.add_argument("--configs", choices=["heuristic", "all", "gluon", "blocks", "sync", "layout"], default="heuristic",
                     help="gluon: the MoE heuristic (Triton) config and the Gluon kernel's variants side by side "
                     "(dense shapes: the heuristic config); blocks: the heuristic against 32-row blocks with "
                     "narrow K steps and 128-row weight tiles where the heuristic takes 16-row blocks; sync: the "
                     "heuristic against the kernel before 2026-12-07, against sync_dots (dots that wait for the "
                     "MMAs in flight) switched on gate/up, down, both, against two K steps per loop trip "
-                    "(unroll), persistent programs and register caps (more programs per SM)")
+                    "(unroll), persistent programs and register caps (more programs per SM); layout: the heuristic "
+                    "against tile-major expert stacks (each trip's weight tile one contiguous run) on gate/up, down, "
+                    "both")
     ap.add_argument("--only", default="", help="with --configs all: only configs whose names start with these "
                     "comma-separated prefixes (plus the default), e.g. T,V for the two GEMV kernels")
     ap.add_argument("--skip-moe", action="store_true")

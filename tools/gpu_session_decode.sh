@@ -30,6 +30,9 @@
 #             ptxas pipelines the wgmmas) switched on gate/up, down, both, against gate/up tiles with fewer loop
 #             instructions per weight byte, two K steps per loop trip (unroll), persistent programs and register caps
 #             (tools/bench_kernels.py --configs sync), after its GPU tests (-k moe)
+#   moelayout the grouped expert kernel at T = MOE_TOKENS (256,128): the heuristic against tile-major expert stacks
+#             (each loop trip's weight tile one contiguous run of codes and one of scales) on gate/up, down, both
+#             (tools/bench_kernels.py --configs layout), after its GPU tests (-k tile_major)
 #   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots on the projections
 #             SYNC48 names (default "off gate_up": bench_rollout --moe-sync-dots), each in a process of its own
 #   pers48    48 layers, FP4 only, batches PERS48_BATCHES (64,128: 16-row expert blocks): the decode step with the
@@ -118,6 +121,10 @@ if part moesync; then
     --moe-tokens "${MOE_TOKENS:-512,256,128,64}" --configs sync --rep-ms 40 2>&1 \
     | grep "moe T=\|exit code\|passed\|failed" | tail -30
 fi
+if part moelayout; then
+  OUT=$O/moelayout TEST_K=tile_major BENCH_TIMEOUT="${T_MOELAYOUT:-150}" bash tools/gpu_kernels.sh --skip-dense \
+    --moe-tokens "${MOE_TOKENS:-256,128}" --configs layout --rep-ms 40 2>&1 | grep "moe T=\|exit code\|passed\|failed" | tail -16
+fi
 if part sync48; then
   for v in ${SYNC48:-off gate_up}; do
     OUT=$O/sync48_$v BENCH_TIMEOUT="${T_SYNC48:-150}" bash tools/gpu_rollout.sh --layers 48 \
@@ -150,7 +157,7 @@ if part lean48; then
     | grep -v "top kernels" | tail -14
   grep "GPU memory" "$O/lean48/bench_rollout.log"
 fi
-DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesync sync48_* pers48_* block32_*"
+DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesync moelayout sync48_* pers48_* block32_*"
 # shellcheck disable=SC2086
 cd "$O" && tar czf all.tgz $(ls -d $DIRS tests_gpu.txt copy_probe.txt graph_launch.json genprof_*.txt 2>/dev/null) \
   && rm -rf $DIRS

@@ -68,9 +68,10 @@ def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool
 
 
 def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync_dots: bool = False,
-                   packed_scales: bool = True, unroll: int = 1):
+                   packed_scales: bool = True, unroll: int = 1, tile_major: bool = False):
     """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced; tiles
-    "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages)."""
+    "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages; tile_major: over
+    layouts.tile_major_experts stacks of the config's tile)."""
     from dataclasses import replace
 
     import megatron_qrl.kernels.moe_grouped_gemm as m
@@ -81,7 +82,10 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync
     if tiles:
         bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
         cfg = replace(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    cfg = replace(cfg, sync_dots=sync_dots, packed_scales=packed_scales, unroll=unroll)
+    cfg = replace(cfg, sync_dots=sync_dots, packed_scales=packed_scales, unroll=unroll, tile_major=tile_major)
+    if tile_major:
+        from megatron_qrl.kernels.layouts import tile_major_experts
+        w = tile_major_experts(w, cfg.block_n, cfg.block_k)
     nb = 64
     x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
     y = torch.zeros((nb * block_m, n), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
@@ -92,7 +96,7 @@ def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync
             n, w.k, 1024, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
             x.stride(0), y.stride(0), FP16_ACC_FACTOR, TOP_K, gated, False, True, block_m, cfg.block_n,
             cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.sync_dots,
-            cfg.packed_scales, cfg.unroll]
+            cfg.packed_scales, cfg.unroll, cfg.tile_major]
     kw = dict(zip(names, vals))
     return cfg, _compile(m._moe_gemm_kernel, kw, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), False)
 
@@ -143,6 +147,8 @@ def main(argv=None) -> int:
                     "byte (MoEConfig.packed_scales=False, before 2026-12-07)")
     ap.add_argument("--unroll", type=int, default=1, help="the Triton kernel's K steps per loop trip "
                     "(MoEConfig.unroll)")
+    ap.add_argument("--tile-major", action="store_true", help="the Triton kernel over tile-major expert stacks "
+                    "(MoEConfig.tile_major: each trip's weight tile one contiguous run)")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--dump", default="")
     a = ap.parse_args(argv)
@@ -154,12 +160,12 @@ def main(argv=None) -> int:
         for bm in (int(v) for v in a.block_m.split(",")):
             for tiles in ([] if a.no_triton else a.triton_tiles.split(",") if a.triton_tiles else [""]):
                 sync = m.SYNC_DOTS['gate_up' if gated else 'down'] if a.sync_dots == 'heuristic' else a.sync_dots == 'on'
-                cfg, k = compile_triton(gated, bm, x_pre, tiles, sync, not a.byte_scales, a.unroll)
+                cfg, k = compile_triton(gated, bm, x_pre, tiles, sync, not a.byte_scales, a.unroll, a.tile_major)
                 # one trip: block_n rows (x 2 gated) x block_k / 32 groups, unroll K steps
                 name = (f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                         f"{' tma' if cfg.tma else ''}{' sync-dots' if cfg.sync_dots else ''}"
                         f"{'' if cfg.packed_scales else ' byte-scales'}"
-                        f"{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}")
+                        f"{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}{' tile-major' if cfg.tile_major else ''}")
                 report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32 * cfg.unroll, cfg.num_warps,
                        a.dump)
             if a.no_gluon:
