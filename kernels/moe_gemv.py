@@ -67,9 +67,12 @@ def _moe_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
                      acc_factor,
                      TOP_K: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUPS: tl.constexpr, USE_ASM: tl.constexpr, RNE: tl.constexpr):
+                     GROUPS: tl.constexpr, USE_ASM: tl.constexpr, RNE: tl.constexpr, TILE_N: tl.constexpr = 0,
+                     TILE_GROUPS: tl.constexpr = 1):
     """Grid (N tiles, routing blocks). Each program: BLOCK_N output columns (weight rows; gate and up rows
-    when GATED) of one expert over all of K, for the block's BLOCK_M sorted assignments."""
+    when GATED) of one expert over all of K, for the block's BLOCK_M sorted assignments. TILE_N > 0: tile-major
+    stacks (layouts.tile_major_experts) of TILE_N-row tiles, TILE_GROUPS 32-element groups wide (GROUPS a multiple
+    of it): a step's groups lie in GROUPS / TILE_GROUPS consecutive K tiles of the row's tile run."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -79,10 +82,27 @@ def _moe_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)          # clamped: loads in bounds, stores masked
     g = tl.arange(0, GROUPS)
-    w_grp = w_ptr + e64 * stride_we + rows[:, None] * stride_wn + (g * 16)[None, :]
-    s_grp = s_ptr + e64 * stride_se + rows[:, None] * stride_sn + (g * 2)[None, :]
-    up_w = N.to(tl.int64) * stride_wn                       # gate row n -> up row N + n
-    up_s = N.to(tl.int64) * stride_sn
+    if TILE_N > 0:      # row n, group g of step t: K tile t * GROUPS / TILE_GROUPS + g // TILE_GROUPS of row tile n // TILE_N
+        k_tiles = K // (32 * TILE_GROUPS)
+        row_w = (rows // TILE_N) * (k_tiles * TILE_N * 16 * TILE_GROUPS) + (rows % TILE_N) * (16 * TILE_GROUPS)
+        row_s = (rows // TILE_N) * (k_tiles * TILE_N * 2 * TILE_GROUPS) + (rows % TILE_N) * (2 * TILE_GROUPS)
+        g_w = (g // TILE_GROUPS) * (TILE_N * 16 * TILE_GROUPS) + (g % TILE_GROUPS) * 16
+        g_s = (g // TILE_GROUPS) * (TILE_N * 2 * TILE_GROUPS) + (g % TILE_GROUPS) * 2
+        step_w: tl.constexpr = (GROUPS // TILE_GROUPS) * TILE_N * 16 * TILE_GROUPS
+        step_s: tl.constexpr = (GROUPS // TILE_GROUPS) * TILE_N * 2 * TILE_GROUPS
+        up_w = (N // TILE_N).to(tl.int64) * (k_tiles * TILE_N * 16 * TILE_GROUPS)   # gate row n -> up row N + n
+        up_s = (N // TILE_N).to(tl.int64) * (k_tiles * TILE_N * 2 * TILE_GROUPS)
+    else:
+        row_w = rows * stride_wn
+        row_s = rows * stride_sn
+        g_w = g * 16
+        g_s = g * 2
+        step_w: tl.constexpr = 16 * GROUPS
+        step_s: tl.constexpr = 2 * GROUPS
+        up_w = N.to(tl.int64) * stride_wn                   # gate row n -> up row N + n
+        up_s = N.to(tl.int64) * stride_sn
+    w_grp = w_ptr + e64 * stride_we + row_w[:, None] + g_w[None, :]
+    s_grp = s_ptr + e64 * stride_se + row_s[:, None] + g_s[None, :]
 
     a0 = tl.load(sorted_ids_ptr + blk * BLOCK_M)
     a1 = a0
@@ -102,8 +122,8 @@ def _moe_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     acc_u0 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     acc_u1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     for t in range(0, K // (32 * GROUPS)):
-        wt = w_grp + t * (16 * GROUPS)
-        st = s_grp + t * (2 * GROUPS)
+        wt = w_grp + t * step_w
+        st = s_grp + t * step_s
         xt0 = x0 + t * (32 * GROUPS)
         xt1 = x1 + t * (32 * GROUPS)
         xw0 = xt0
@@ -137,6 +157,10 @@ def launch_moe_gemv(x, w, y, routing, topk_w, gated: bool, block_n: int, groups:
         raise ValueError(f"MoE GEMV block_m {routing.block_m} not in 1..{MAX_BLOCK_M}")
     if (k // 32) % groups or k % 32:
         raise ValueError(f"K = {k}: K/32 is not a multiple of groups={groups}")
+    tile_n, tile_groups = (w.tile[0], w.tile[1] // 32) if w.tile is not None else (0, 1)
+    if tile_n and (groups % tile_groups or n % tile_n):
+        raise ValueError(f"MoE GEMV over tile-major stacks of {w.tile} tiles: groups={groups} must be a multiple of "
+                         f"the tile's {tile_groups} groups and the {n} rows whole tiles")
     use_asm = asm and not interpret
     if use_asm:
         if w.qweight.data_ptr() % 16 or w.qweight.stride(1) % 16 or w.scales.stride(1) % 2:
@@ -150,5 +174,5 @@ def launch_moe_gemv(x, w, y, routing, topk_w, gated: bool, block_n: int, groups:
         n, k, routing.n_assign, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
         x.stride(0), y.stride(0), GEMV_ACC_FACTOR,
         TOP_K=routing.top_k, GATED=gated, BLOCK_M=routing.block_m, BLOCK_N=block_n, GROUPS=groups,
-        USE_ASM=use_asm, RNE=interpret, num_warps=num_warps, num_stages=1)
+        USE_ASM=use_asm, RNE=interpret, TILE_N=tile_n, TILE_GROUPS=tile_groups, num_warps=num_warps, num_stages=1)
     return y

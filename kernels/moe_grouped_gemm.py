@@ -101,7 +101,7 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
               USE_ASM: tl.constexpr, X_PRE: tl.constexpr, OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr,
               SYNC_DOTS: tl.constexpr, PACKED_SCALES: tl.constexpr, UNROLL: tl.constexpr,
-              TILE_MAJOR: tl.constexpr):
+              TILE_N: tl.constexpr):
     """One tile of a grouped projection: routing block pid_m (of expert), weight-row tile pid_n.
     GATED: y[sorted row, n] = silu(x_tok . Wg[e, n]) * (x_tok . Wu[e, n]), x_tok = x[assign // TOP_K],
     n < N = F, weight rows n (gate) and N + n (up).
@@ -115,8 +115,9 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
     Same products and the same fp32 sums in the same order. PACKED_SCALES: NVFP4 scales decoded four bytes per
     register (w4a16_gemm._SCALE_ASM; the same fp16 values). UNROLL: K steps per loop trip (the loop's
     bookkeeping -- stage indices, barriers, TMA -- paid once per UNROLL steps; the same sums in the same order).
-    TILE_MAJOR: the stacks are `layouts.tile_major_experts(w, BLOCK_N, BLOCK_K)` (N % BLOCK_N == 0): trip t of row
-    tile r reads rows (r * K / BLOCK_K + t) * BLOCK_N... whole, one contiguous run of codes and one of scales."""
+    TILE_N > 0: the stacks are `layouts.tile_major_experts(w, TILE_N, BLOCK_K)` (N % TILE_N == 0, BLOCK_N a multiple
+    of TILE_N): trip t of stack row tile r is rows (r * K / BLOCK_K + t) * TILE_N..., one contiguous run of codes and
+    one of scales; w_ptr's TMA descriptor views the codes as [E, row tiles, K / BLOCK_K * TILE_N, BLOCK_K / 2]."""
     HALF: tl.constexpr = BLOCK_K // 2
     SB: tl.constexpr = BLOCK_K // 32 if IS_MX else BLOCK_K // 16
 
@@ -129,29 +130,28 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
         x_row = rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    # trip t's weight tile: row-major stacks step along the rows' K bytes (TMA column t * HALF), tile-major ones
-    # to the next BLOCK_N rows of the tile's run (TMA row + t * BLOCK_N), whose row strides are HALF and SB bytes
-    # (constants, so the compiler sees one contiguous run); up rows lie up_rows past the gate rows
-    if TILE_MAJOR:
+    # trip t's weight rows: row-major stacks step along the rows' K bytes, tile-major ones TILE_N rows down each
+    # tile's run, whose row strides are HALF and SB bytes (constants, so the compiler sees contiguous runs); the up
+    # rows lie up_rows past the gate rows
+    if TILE_N > 0:
         k_steps = K // BLOCK_K
-        row0 = pid_n * k_steps * BLOCK_N
-        up_rows = (N // BLOCK_N) * k_steps * BLOCK_N
+        n_of = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_row = (n_of // TILE_N) * (k_steps * TILE_N) + n_of % TILE_N
+        up_rows = (N // TILE_N) * k_steps * TILE_N
         w_stride: tl.constexpr = HALF
         s_stride: tl.constexpr = SB
-        tma_row_step: tl.constexpr = BLOCK_N
-        tma_col_step: tl.constexpr = 0
-        code_step: tl.constexpr = BLOCK_N * HALF
-        scale_step: tl.constexpr = BLOCK_N * SB
+        code_step: tl.constexpr = TILE_N * HALF
+        scale_step: tl.constexpr = TILE_N * SB
+        # TMA: box [1, BLOCK_N / TILE_N row tiles, TILE_N, HALF] at (expert, tma_tile, t * TILE_N, 0)
+        tma_tile = pid_n * (BLOCK_N // TILE_N)
+        tma_tile_u = tma_tile + N // TILE_N
     else:
-        row0 = pid_n * BLOCK_N
+        w_row = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         up_rows = N
         w_stride = stride_wn
         s_stride = stride_sn
-        tma_row_step: tl.constexpr = 0
-        tma_col_step: tl.constexpr = HALF
         code_step: tl.constexpr = HALF
         scale_step: tl.constexpr = SB
-    w_row = row0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, HALF)
     k_lo = (kk // 16) * 32 + (kk % 16)
     ks = tl.arange(0, SB)
@@ -179,8 +179,10 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
         k0 = t * BLOCK_K
         x_lo = _prep_x(tl.load(x_rows + k0, mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
         x_hi = _prep_x(tl.load(x_rows + (k0 + 16), mask=x_mask, other=0.0), FP16, DOT_F32, X_PRE)
-        if W_TMA:
-            b = tl.reshape(w_rows.load([expert, row0 + t * tma_row_step, t * tma_col_step]), (BLOCK_N, HALF))
+        if W_TMA and TILE_N > 0:
+            b = tl.reshape(w_rows.load([expert, tma_tile, t * TILE_N, 0]), (BLOCK_N, HALF))
+        elif W_TMA:
+            b = tl.reshape(w_rows.load([expert, pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
         else:
             b = tl.load(w_rows + t * code_step, mask=n_mask[:, None], other=0)
         sb = tl.load(s_rows + t * scale_step, mask=n_mask[:, None], other=0)
@@ -193,9 +195,10 @@ def _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_i
         acc = _mma(w_lo, x_lo, acc, True, DOT_F32)
         acc = _mma(w_hi, x_hi, acc, True, DOT_F32)
         if GATED:
-            if W_TMA:
-                bu = tl.reshape(wu_rows.load([expert, row0 + up_rows + t * tma_row_step, t * tma_col_step]),
-                                (BLOCK_N, HALF))
+            if W_TMA and TILE_N > 0:
+                bu = tl.reshape(wu_rows.load([expert, tma_tile_u, t * TILE_N, 0]), (BLOCK_N, HALF))
+            elif W_TMA:
+                bu = tl.reshape(wu_rows.load([expert, N + pid_n * BLOCK_N, t * HALF]), (BLOCK_N, HALF))
             else:
                 bu = tl.load(wu_rows + t * code_step, mask=n_mask[:, None], other=0)
             sbu = tl.load(su_rows + t * scale_step, mask=n_mask[:, None], other=0)
@@ -231,7 +234,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
                      DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
                      OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False, SYNC_DOTS: tl.constexpr = False,
                      PACKED_SCALES: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-                     TILE_MAJOR: tl.constexpr = False):
+                     TILE_N: tl.constexpr = 0):
     """One program per (routing block, weight-row tile): grid (num_blocks, cdiv(N, BLOCK_N)); blocks past the
     last expert's run exit at once."""
     pid_m = tl.program_id(0)
@@ -242,7 +245,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
               topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
               acc_factor, TOP_K, GATED, IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED,
-              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL, TILE_MAJOR)
+              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL, TILE_N)
 
 
 @triton.jit(do_not_specialize=["n_assign", "num_blocks", "num_progs"])
@@ -254,7 +257,7 @@ def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_p
                                 DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, X_PRE: tl.constexpr,
                                 OUT_SCALED: tl.constexpr, W_TMA: tl.constexpr = False,
                                 SYNC_DOTS: tl.constexpr = False, PACKED_SCALES: tl.constexpr = False,
-                                UNROLL: tl.constexpr = 1, TILE_MAJOR: tl.constexpr = False, num_blocks=0,
+                                UNROLL: tl.constexpr = 1, TILE_N: tl.constexpr = 0, num_blocks=0,
                                 num_progs=1, BLOCKS_POW2: tl.constexpr = 1, FLATTEN: tl.constexpr = True):
     """The same tiles from num_progs resident programs, each walking tiles num_progs apart (persistent). Why:
     with FLATTEN the compiler pipelines the tile loop and the K loop as one, so a program's loads for its next
@@ -272,7 +275,7 @@ def _moe_gemm_persistent_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_p
         _moe_tile(pid_m, pid_n, expert, x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
               topk_w_ptr, N, K, n_assign, stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_ym,
               acc_factor, TOP_K, GATED, IS_MX, FP16, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, USE_ASM, X_PRE, OUT_SCALED,
-              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL, TILE_MAJOR)
+              W_TMA, SYNC_DOTS, PACKED_SCALES, UNROLL, TILE_N)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -301,8 +304,9 @@ class MoEConfig:
     #                           loops pipelined as one (_moe_gemm_persistent_kernel); 0: one program per tile
     max_regs: int = 0         # tensor-core kernel: registers per thread at most (ptxas maxnreg; 0: its choice), for
     #                           more programs per SM
-    tile_major: bool = False  # tensor-core kernel over stacks from layouts.tile_major_experts(w, block_n, block_k):
-    #                           each trip's weight tile one contiguous run (TILE_MAJOR)
+    tile_major: bool = False  # over stacks from layouts.tile_major_experts(w, tile_n, tile_k): the tensor-core kernel
+    #                           (block_k = tile_k, block_n a multiple of tile_n: each trip's weight tile whole runs,
+    #                           TILE_N) or the GEMV
 
 
 # The single switch to the Gluon kernel (moe_gluon.py) for NVFP4 decode blocks of 16 and 32 rows: off until
@@ -345,24 +349,31 @@ SYNC_DOTS = {"gate_up": True, "down": False}
 # 159.7 -> 156.6 us; on down 165.2 (slower), at 32-row blocks 167.8 -> 169.1 (T = 256), so off there. Off here too
 # until the decode step has measured it (bench_rollout --moe-persistent)
 PERSISTENT_GATE_UP_BLOCK16 = 0
+# The tile (rows, K) of the engine's tile-major expert stacks (rollout/kernel_linears.prepare: layouts.
+# tile_major_experts, and the heuristic's configs for them, tile=w.tile), or None: row-major stacks. Off until the
+# grouped kernel and the decode step have measured it (bench_kernels --configs layout, bench_rollout
+# --moe-tile-major); the GEMV reads them too, the Gluon kernel does not
+EXPERT_STACK_TILE = None
 
 
 def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated: bool,
-                         fmt: str = "nvfp4", gemv: bool = True) -> MoEConfig:
+                         fmt: str = "nvfp4", gemv: bool = True, tile: Optional[tuple] = None) -> MoEConfig:
     """sm_90 choice (docs/PERF.md): NVFP4 with <= GEMV_MAX_PER_EXPERT assignments per expert takes the
     CUDA-core GEMV (one token per program); otherwise block_m by tokens per expert; the fp16 input operand
     is converted by a separate kernel (x_pre) only once there are enough assignments to pay for the extra
     launch; the down projection uses 64-row weight tiles with 16-token blocks, 128-row tiles with larger
     blocks. gemv=False: the tensor-core choice regardless. Each choice is the fastest of the sweep in
-    tools/bench_kernels.py --configs all at E=128, H=2048, F=768, top-8."""
+    tools/bench_kernels.py --configs all at E=128, H=2048, F=768, top-8. tile: the stacks' `PreparedFP4Weight.tile`
+    (tile-major stacks): the same choice, the tensor-core kernel's K steps of the tile's width and its weight tiles
+    whole row tiles, never the Gluon kernel."""
     per_expert = n_assign / max(1, num_experts)
-    if gemv and fmt == "nvfp4" and per_expert <= GEMV_MAX_PER_EXPERT:
+    if gemv and fmt == "nvfp4" and per_expert <= GEMV_MAX_PER_EXPERT and (tile is None or _bk(k) % tile[1] == 0):
         # gate/up tiles hold gate and up rows: 32 of each match the loads in flight of 64 down rows
-        return MoEConfig(1, 32 if gated else 64, _bk(k), 4, 1, gemv=True)
+        return MoEConfig(1, 32 if gated else 64, _bk(k), 4, 1, gemv=True, tile_major=tile is not None)
     bm = 16 if per_expert <= BLOCK16_MAX_PER_EXPERT else (32 if per_expert <= 48 else 64)
     block32_narrow = bm == 32 and per_expert <= BLOCK32_NARROW_K_MAX_PER_EXPERT
     x_pre = (bm == 16 or block32_narrow) and n_assign >= 64
-    if GLUON_DEFAULT and fmt == "nvfp4" and bm in (16, 32) and k % 128 == 0:
+    if GLUON_DEFAULT and tile is None and fmt == "nvfp4" and bm in (16, 32) and k % 128 == 0:
         # the fp16 operand at both block sizes: the Gluon kernel converts bf16 x per program and trip, +25-45%
         # instructions in its loop (tools/inspect_moe_sm90.py --bf16-x)
         return gluon_moe_config(bm, gated, n_assign >= 64)
@@ -371,10 +382,12 @@ def heuristic_moe_config(n_assign: int, num_experts: int, n: int, k: int, gated:
     # 1.15-1.2x faster end to end at 2-8 tokens per expert, 1.1x at 32 (H200, docs/PERF.md)
     narrow_k = bm == 16 or (bm == 32 and (not gated or block32_narrow))
     bk = min(128, _bk(k)) if narrow_k else _bk(k)
+    if tile is not None:        # whole row tiles per weight tile, the tile's K steps
+        bn, bk = -(-bn // tile[0]) * tile[0], tile[1]
     # NVFP4 weight tiles by TMA: 1.10-1.11x end to end at 32-128 tokens (H200, docs/PERF.md)
     return MoEConfig(bm, bn, bk, 4, 3 if bm <= 32 else 2, x_pre=x_pre, tma=fmt == "nvfp4",
                      sync_dots=SYNC_DOTS["gate_up" if gated else "down"],
-                     persistent=PERSISTENT_GATE_UP_BLOCK16 if gated and bm == 16 else 0)
+                     persistent=PERSISTENT_GATE_UP_BLOCK16 if gated and bm == 16 else 0, tile_major=tile is not None)
 
 
 def converts_input(cfg: MoEConfig, fmt: str) -> bool:
@@ -394,12 +407,14 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
             raise ValueError(f"MoE config {name}={value} is a Triton tensor-core kernel option; the GEMV and the "
                              f"Gluon kernel take {name}={neutral}")
     if w.tile is not None or cfg.tile_major:
-        if cfg.gemv or cfg.gluon or not cfg.tile_major or w.tile != (cfg.block_n, cfg.block_k):
+        if (cfg.gluon or not cfg.tile_major or w.tile is None
+                or not cfg.gemv and (cfg.block_k != w.tile[1] or cfg.block_n % w.tile[0])):
             raise ValueError(f"MoE weights with tile={w.tile} under a config with tile_major={cfg.tile_major}, "
                              f"block_n={cfg.block_n}, block_k={cfg.block_k}{', gemv' if cfg.gemv else ''}"
                              f"{', gluon' if cfg.gluon else ''}: tile-major stacks are read by the tensor-core kernel "
-                             "only, with tile_major=True and their own (block_n, block_k); pass "
-                             "layouts.tile_major_experts(w, block_n, block_k) with such a config, or row-major stacks")
+                             "(tile_major=True, their tile width as block_k, whole row tiles as block_n) and the GEMV "
+                             "(tile_major=True), not the Gluon kernel; heuristic_moe_config(..., tile=w.tile) picks "
+                             "such a config; row-major stacks need tile_major=False")
     if cfg.persistent < 0:
         raise ValueError(f"MoE config persistent={cfg.persistent}: programs per SM must be >= 0 (0: one per tile)")
     if cfg.unroll < 1:
@@ -416,8 +431,8 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                       num_stages=max(2, cfg.num_stages))
     if k % cfg.block_k:
         raise ValueError(f"MoE config block_k={cfg.block_k} does not divide K={k}")
-    if cfg.tile_major and n % cfg.block_n:
-        raise ValueError(f"MoE config block_n={cfg.block_n} does not divide the projection's {n} rows: tile-major "
+    if cfg.tile_major and n % w.tile[0]:
+        raise ValueError(f"tile-major stacks of {w.tile[0]}-row tiles do not divide the projection's {n} rows: "
                          "gate/up stacks need whole gate and up tiles")
     if cfg.gemv:
         from .moe_gemv import launch_moe_gemv
@@ -427,7 +442,12 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
     is_mx = w.fmt == "mxfp4"
     fp16 = cfg.fp16_dot and not is_mx
     use_tma = cfg.tma and tma_compatible(w.qweight) and (cfg.block_k // 2) % 16 == 0   # else pointer loads
-    q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if use_tma else w.qweight
+    tile_n = w.tile[0] if cfg.tile_major else 0
+    if use_tma and tile_n:      # [E, row tiles, trips x tile rows, K step bytes]: a box of whole row tiles
+        codes = w.qweight.view(w.num_experts, w.n // tile_n, -1, cfg.block_k // 2)
+        q = weight_descriptor(codes, [1, cfg.block_n // tile_n, tile_n, cfg.block_k // 2])
+    else:
+        q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if use_tma else w.qweight
     args = (x, q, w.scales, w.global_scale, y, routing.sorted_ids, routing.block_expert,
             topk_w if topk_w is not None else w.global_scale,
             n, k, routing.n_assign, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
@@ -436,7 +456,7 @@ def _launch(x, w: PreparedFP4Weight, y, routing: MoERouting, topk_w, gated: bool
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, USE_ASM=cfg.asm and not INTERPRET,
                   X_PRE=fp16 and x.dtype == torch.float16, OUT_SCALED=y.dtype == torch.float16, W_TMA=use_tma,
                   SYNC_DOTS=cfg.sync_dots, PACKED_SCALES=cfg.packed_scales, UNROLL=cfg.unroll,
-                  TILE_MAJOR=cfg.tile_major,
+                  TILE_N=tile_n,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_regs:
         consts["maxnreg"] = cfg.max_regs
@@ -463,7 +483,7 @@ def moe_gate_up(x: torch.Tensor, w13: PreparedFP4Weight, routing: MoERouting,
     cfg.x_pre (fp16 path) fp16 holding the value * 2^-8 (what moe_down consumes directly). x_operand: the
     caller's to_fp16_operand(x) (e.g. written by the norm before), used instead of converting x here."""
     f = w13.n // 2
-    cfg = config or heuristic_moe_config(routing.n_assign, w13.num_experts, f, w13.k, True, w13.fmt)
+    cfg = config or heuristic_moe_config(routing.n_assign, w13.num_experts, f, w13.k, True, w13.fmt, tile=w13.tile)
     if cfg.block_m != routing.block_m:
         raise ValueError(f"config block_m={cfg.block_m} differs from the routing's {routing.block_m}")
     pre = converts_input(cfg, w13.fmt)
@@ -494,7 +514,7 @@ def moe_down(h: torch.Tensor, w2: PreparedFP4Weight, routing: MoERouting, topk_w
              config: Optional[MoEConfig] = None) -> torch.Tensor:
     """Down projection of the sorted intermediate rows (moe_gate_up's output), times the router weight:
     bf16 [T * k, H]."""
-    cfg = config or heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt)
+    cfg = config or heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt, tile=w2.tile)
     if cfg.block_m != routing.block_m:
         raise ValueError(f"config block_m={cfg.block_m} differs from the routing's {routing.block_m}")
     if cfg.gemv and h.dtype == torch.float16:       # the tensor-core gate/up's scaled fp16 operand
@@ -528,12 +548,13 @@ def moe_w4a16(x: torch.Tensor, w13: PreparedFP4Weight, w2: PreparedFP4Weight, to
     t, k = (routing.n_tokens, routing.top_k) if routing is not None else topk_ids.shape
     if routing is None:
         bm = (gate_up_config.block_m if gate_up_config else
-              heuristic_moe_config(t * k, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt).block_m)
+              heuristic_moe_config(t * k, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt, tile=w13.tile).block_m)
         routing = moe_align(topk_ids, w13.num_experts, bm)
     h = moe_gate_up(x, w13, routing, gate_up_config, x_operand)
     if down_config is None:
-        if gate_up_config is None:
-            down_config = heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt)
+        if gate_up_config is None or w2.tile is not None:
+            down_config = replace(heuristic_moe_config(routing.n_assign, w2.num_experts, w2.n, w2.k, False, w2.fmt,
+                                                       tile=w2.tile), block_m=routing.block_m)
         elif gate_up_config.gluon:
             down_config = gluon_moe_config(routing.block_m, False, stages=gate_up_config.num_stages,
                                            warps=gate_up_config.num_warps)

@@ -737,11 +737,12 @@ def test_moe_sync_dots(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_moe_tile_major_stacks(fmt):
-    """Tile-major expert stacks (each loop trip's block_n x block_k weight tile one contiguous run of codes and one
+    """Tile-major expert stacks (each loop trip's tile_n x block_k weight tile one contiguous run of codes and one
     of scales) hold the same weights in another order: the inverse restores the stacks, a tile is the slice it
     stands for, the dequantized weights agree, and the kernel over them (tile_major=True) gives the same output
-    bits as over the row-major stacks -- pointer and TMA tiles, unrolled and persistent. Configs and stacks that
-    do not match, and the GEMV, are refused."""
+    bits as over the row-major stacks -- pointer and TMA tiles, unrolled and persistent, weight tiles of one and of
+    two row tiles, the heuristic's configs, and the GEMV's. Configs and stacks that do not match, and the Gluon
+    kernel, are refused."""
     from megatron_qrl.kernels.layouts import row_major_experts, tile_major_experts
 
     seed = _seed()
@@ -767,17 +768,48 @@ def test_moe_tile_major_stacks(fmt):
             assert torch.equal(tiled, base), (seed, tma, change)
         mixed = moe_w4a16(x, t13, w2, ids, tw, gate_up_config=replace(gu, tile_major=True), down_config=dn)
         assert torch.equal(mixed, base), (seed, tma)
+        # weight tiles of two row tiles (down: 64 of 128 rows; gate/up: 64 rows of 96 gate rows, the second
+        # program reading up rows it never stores)
+        gu64, dn64 = replace(gu, block_n=64), replace(dn, block_n=64)
+        base64 = moe_w4a16(x, w13, w2, ids, tw, gate_up_config=gu64, down_config=dn64)
+        tiled64 = moe_w4a16(x, t13, t2, ids, tw, gate_up_config=replace(gu64, tile_major=True),
+                            down_config=replace(dn64, tile_major=True))
+        assert torch.equal(tiled64, base64), (seed, tma)
+    # the heuristic over tile-major stacks: tensor-core configs of their K steps and whole row tiles, no GEMV
+    cfg = heuristic_moe_config(16 * 128, 128, 768, 2048, True, tile=(64, 128))
+    assert cfg.tile_major and (cfg.block_n, cfg.block_k) == (64, 128) and not cfg.gemv
+    gemv = heuristic_moe_config(16, 128, 768, 2048, True, tile=(64, 128))
+    assert gemv.gemv and gemv.tile_major and gemv == replace(heuristic_moe_config(16, 128, 768, 2048, True),
+                                                             tile_major=True)
+    auto = moe_w4a16(x, t13, t2, ids, tw)
+    h_gu = heuristic_moe_config(ids.numel(), 4, 96, 128, True, fmt, tile=t13.tile)
+    h_dn = heuristic_moe_config(ids.numel(), 4, 128, 96, False, fmt, tile=t2.tile)
+    assert torch.equal(auto, moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(h_gu, tile_major=False),
+                                       down_config=replace(h_dn, tile_major=False))), seed
     gu = MoEConfig(block_m=16, block_n=32, block_k=64)
     dn = MoEConfig(block_m=16, block_n=32, block_k=32)
     with pytest.raises(ValueError, match="tile-major stacks"):        # tiled stacks, row-major config
         moe_w4a16(x, t13, w2, ids, tw, gate_up_config=gu, down_config=dn)
     with pytest.raises(ValueError, match="tile-major stacks"):        # row-major stacks, tile-major config
         moe_w4a16(x, w13, w2, ids, tw, gate_up_config=replace(gu, tile_major=True), down_config=dn)
-    with pytest.raises(ValueError, match="tile-major stacks"):        # another tile
-        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=replace(gu, block_n=64, tile_major=True), down_config=dn)
-    with pytest.raises(ValueError, match="tile-major stacks"):        # the GEMV reads row-major stacks
-        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=64, num_stages=1,
-                                                               gemv=True, tile_major=True))
+    with pytest.raises(ValueError, match="tile-major stacks"):        # K steps other than the tile's
+        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=replace(gu, block_k=128, tile_major=True), down_config=dn)
+    with pytest.raises(ValueError, match="tile-major stacks"):        # not whole row tiles
+        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=replace(gu, block_n=48, tile_major=True), down_config=dn)
+    if fmt == "nvfp4":      # the GEMV over tile-major stacks: the same bits, a step over one or two K tiles
+        xs, ids_s, tw_s = x[:3], ids[:3], tw[:3]      # (the interpreter runs the GEMV's programs slowly)
+        for bk in (64, 128):
+            g_gu = MoEConfig(block_m=1, block_n=32, block_k=bk, num_stages=1, gemv=True)
+            g_dn = MoEConfig(block_m=1, block_n=32, block_k=32, num_stages=1, gemv=True)
+            rm = moe_w4a16(xs, w13, w2, ids_s, tw_s, gate_up_config=g_gu, down_config=g_dn)
+            tm = moe_w4a16(xs, t13, tile_major_experts(w2, 32, 32), ids_s, tw_s,
+                           gate_up_config=replace(g_gu, tile_major=True), down_config=replace(g_dn, tile_major=True))
+            assert torch.equal(tm, rm), (seed, bk)
+        with pytest.raises(ValueError, match="multiple of the tile"):  # a step inside one K tile
+            moe_w4a16(x, t13, w2, ids, tw, gate_up_config=MoEConfig(block_m=1, block_n=32, block_k=32,
+                                                                   num_stages=1, gemv=True, tile_major=True))
+    with pytest.raises(ValueError, match="tile-major stacks"):        # the Gluon kernel reads row-major stacks
+        moe_w4a16(x, t13, w2, ids, tw, gate_up_config=replace(gu, gluon=True, tile_major=True), down_config=dn)
     with pytest.raises(ValueError, match="whole gate and up tiles"):  # 96 gate rows in 64-row tiles
         moe_w4a16(x, tile_major_experts(w13, 64, 64), w2, ids, tw,
                   gate_up_config=replace(gu, block_n=64, tile_major=True), down_config=dn)

@@ -192,6 +192,32 @@ def test_kernel_path_equals_eager_kernel_engine(source_model, kw):
     assert sorted(b[0].trace) == ([0, 1] if w4a4 else [])
 
 
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
+def test_tile_major_expert_stacks_in_the_engine(source_model, scheme, monkeypatch):
+    """moe_grouped_gemm.EXPERT_STACK_TILE: the engine prepares tile-major expert stacks and the static step's
+    kernels read them through the heuristic's tile-major configs (tile=w.tile): the row-major engine's tokens and
+    routed experts, log-probs to the kernels' round-off (the configs take other K steps); a weight sync rewrites
+    the stacks in place (captured graphs keep their addresses) and decodes the same again."""
+    from megatron_qrl.kernels import moe_grouped_gemm as mg
+
+    ps = prompts(5, 9, 3, seed=4)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+    row = engine(source_model, "static", kernels="on", weights="nvfp4", scheme=scheme)
+    monkeypatch.setattr(mg, "EXPERT_STACK_TILE", (32, 32))       # the tiny model's 64-wide experts
+    tiled = engine(source_model, "static", kernels="on", weights="nvfp4", scheme=scheme)
+    runner = next(iter(tiled.kernels.grouped.values()))
+    assert runner.w13.tile == runner.w2.tile == (32, 32)
+    assert next(iter(row.kernels.grouped.values())).w13.tile is None
+    a, b = row.generate(ps, sp), tiled.generate(ps, sp)
+    w4a4 = scheme == "w4a4"
+    assert_same(a, b, logp_atol=5e-2 if w4a4 else BF16_FLIP_LOGP, min_byte_agreement=0, scale_rtol=None,
+                routed_sets=True, logp_median_atol=None if w4a4 else ROUNDOFF_LOGP)
+    codes = runner.w13.qweight
+    tiled.sync_from_model(source_model, version=1)
+    assert runner.w13.qweight is codes and runner.w13.tile == (32, 32)
+    assert_same(b, tiled.generate(ps, sp), logp_atol=0, scale_rtol=None, min_byte_agreement=1.0)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_kernel_experts_match_megatron_experts(source_model, fmt):
     """Identical inputs: the grouped-kernel experts (Triton interpreter) against the model's own experts.

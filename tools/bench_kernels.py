@@ -232,13 +232,17 @@ def moe_configs(moe, t, mode):
     return list(dict.fromkeys(out))
 
 
+STACK_TILE_ROWS = 64     # the tile rows of tile-major stacks here: the engine's 64 x 128 tile where block_k = 128
+
+
 def stacks_for(layouts, cfg, w, cache: dict):
-    """w as cfg reads it: tile-major stacks of cfg's tile (made once per weight and tile, kept in cache) or w."""
+    """w as cfg reads it: tile-major stacks of STACK_TILE_ROWS-row tiles (whole tiles per weight tile: down's
+    128-row tiles load two) and cfg's K steps, made once per weight and tile (kept in cache), or w."""
     if not cfg.tile_major:
         return w
-    key = (id(w), cfg.block_n, cfg.block_k)
+    key = (id(w), min(STACK_TILE_ROWS, cfg.block_n), cfg.block_k)
     if key not in cache:
-        cache[key] = layouts.tile_major_experts(w, cfg.block_n, cfg.block_k)
+        cache[key] = layouts.tile_major_experts(w, *key[1:])
     return cache[key]
 
 

@@ -93,6 +93,10 @@ def _parse(argv):
     p.add_argument("--moe-persistent", type=int, default=None,
                    help="experiment: persistent programs per SM of the 16-row gate/up expert kernel "
                         "(moe_grouped_gemm.PERSISTENT_GATE_UP_BLOCK16; 0: one program per tile, the default)")
+    p.add_argument("--moe-tile-major", default=None, metavar="ROWSxK",
+                   help="experiment: the engine's expert stacks tile-major with this tile, e.g. 64x128 "
+                        "(moe_grouped_gemm.EXPERT_STACK_TILE; each loop trip's weight tile whole contiguous runs; "
+                        "no GEMV over them; default: row-major)")
     p.add_argument("--targets", default="routed_experts", choices=["routed_experts", "all_linears"],
                    help="quant.targets of the engines (all_linears: FP4 attention linears too)")
     p.add_argument("--json", default=None)
@@ -557,10 +561,14 @@ def run(a) -> dict:
         from megatron_qrl.kernels import moe_grouped_gemm
 
         moe_grouped_gemm.PERSISTENT_GATE_UP_BLOCK16 = a.moe_persistent
+    if a.moe_tile_major:
+        from megatron_qrl.kernels import moe_grouped_gemm
+
+        moe_grouped_gemm.EXPERT_STACK_TILE = tuple(int(v) for v in a.moe_tile_major.split("x"))
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
            "moe_tokens_per_expert": a.moe_tokens_per_expert, "moe_kernel": a.moe_kernel,
            "moe_block32_from": a.moe_block32_from, "moe_sync_dots": a.moe_sync_dots,
-           "moe_persistent": a.moe_persistent,
+           "moe_persistent": a.moe_persistent, "moe_tile_major": a.moe_tile_major,
            "layers": a.layers, "batches": a.batches, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
            "reps": a.reps, "tiny": a.tiny, "targets": a.targets, "hbm_tbs": a.hbm_tbs, "rates": {}, "rates_all": {},
            "floor_ms": {}, "checks": {}, "overheads": {}, "decode": {}}

@@ -33,6 +33,8 @@
 #   moelayout the grouped expert kernel at T = MOE_TOKENS (256,128): the heuristic against tile-major expert stacks
 #             (each loop trip's weight tile one contiguous run of codes and one of scales) on gate/up, down, both
 #             (tools/bench_kernels.py --configs layout), after its GPU tests (-k tile_major)
+#   tile48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step over tile-major expert stacks of the tiles
+#             in TILE48 (default "off 64x128": bench_rollout --moe-tile-major), each in a process of its own
 #   sync48    48 layers, FP4 only, batches LEAN48_BATCHES: the decode step with sync_dots on the projections
 #             SYNC48 names (default "off gate_up": bench_rollout --moe-sync-dots), each in a process of its own
 #   pers48    48 layers, FP4 only, batches PERS48_BATCHES (64,128: 16-row expert blocks): the decode step with the
@@ -132,6 +134,13 @@ if part sync48; then
       --moe-sync-dots $v 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
   done
 fi
+if part tile48; then
+  for v in ${TILE48:-off 64x128}; do
+    OUT=$O/tile48_$v BENCH_TIMEOUT="${T_TILE48:-150}" bash tools/gpu_rollout.sh --layers 48 \
+      --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" \
+      $([ "$v" = off ] || echo "--moe-tile-major $v") 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
+  done
+fi
 if part pers48; then
   for v in ${PERS48:-0 5}; do
     OUT=$O/pers48_$v BENCH_TIMEOUT="${T_PERS48:-150}" bash tools/gpu_rollout.sh --layers 48 \
@@ -157,7 +166,7 @@ if part lean48; then
     | grep -v "top kernels" | tail -14
   grep "GPU memory" "$O/lean48/bench_rollout.log"
 fi
-DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesync moelayout sync48_* pers48_* block32_*"
+DIRS="roll4 roll48 kv over loop attn attnb1 lean48 moeblocks moencu moesync moelayout sync48_* tile48_* pers48_* block32_*"
 # shellcheck disable=SC2086
 cd "$O" && tar czf all.tgz $(ls -d $DIRS tests_gpu.txt copy_probe.txt graph_launch.json genprof_*.txt 2>/dev/null) \
   && rm -rf $DIRS

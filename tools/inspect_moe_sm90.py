@@ -68,35 +68,42 @@ def compile_gluon(gated: bool, block_m: int, rows: int, stages: int, x_pre: bool
 
 
 def compile_triton(gated: bool, block_m: int, x_pre: bool, tiles: str = "", sync_dots: bool = False,
-                   packed_scales: bool = True, unroll: int = 1, tile_major: bool = False):
+                   packed_scales: bool = True, unroll: int = 1, tile: str = ""):
     """_moe_gemm_kernel with the arguments _launch gives it at heuristic_moe_config (block_m forced; tiles
-    "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages; tile_major: over
-    layouts.tile_major_experts stacks of the config's tile)."""
+    "BNxBKwWsS", e.g. 64x128w4s3, replaces the heuristic's weight tile, warps and stages; tile "ROWSxK", e.g.
+    64x128: over layouts.tile_major_experts stacks of that tile, the heuristic's config for them)."""
     from dataclasses import replace
 
     import megatron_qrl.kernels.moe_grouped_gemm as m
     from megatron_qrl.kernels.w4a16_gemm import FP16_ACC_FACTOR, weight_descriptor
     w = _weights(gated)
     n = w.n // 2 if gated else w.n
-    cfg = replace(m.heuristic_moe_config(E * block_m, E, n, w.k, gated, "nvfp4", gemv=False), block_m=block_m)
+    stack_tile = tuple(int(v) for v in tile.split("x")) if tile else None
+    cfg = replace(m.heuristic_moe_config(E * block_m, E, n, w.k, gated, "nvfp4", gemv=False, tile=stack_tile),
+                  block_m=block_m)
     if tiles:
         bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
         cfg = replace(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    cfg = replace(cfg, sync_dots=sync_dots, packed_scales=packed_scales, unroll=unroll, tile_major=tile_major)
-    if tile_major:
+    cfg = replace(cfg, sync_dots=sync_dots, packed_scales=packed_scales, unroll=unroll)
+    if stack_tile:
         from megatron_qrl.kernels.layouts import tile_major_experts
-        w = tile_major_experts(w, cfg.block_n, cfg.block_k)
+        w = tile_major_experts(w, *stack_tile)
     nb = 64
     x = torch.zeros((nb * block_m, w.k), dtype=torch.float16 if x_pre or not gated else torch.bfloat16)
     y = torch.zeros((nb * block_m, n), dtype=torch.float16 if gated and x_pre else torch.bfloat16)
     ids = torch.zeros(nb * block_m, dtype=torch.int32)
-    q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if cfg.tma else w.qweight
+    if cfg.tma and stack_tile:      # as _launch: whole row tiles per box
+        tn = stack_tile[0]
+        q = weight_descriptor(w.qweight.view(E, w.n // tn, -1, cfg.block_k // 2),
+                              [1, cfg.block_n // tn, tn, cfg.block_k // 2])
+    else:
+        q = weight_descriptor(w.qweight, [1, cfg.block_n, cfg.block_k // 2]) if cfg.tma else w.qweight
     names = m._moe_gemm_kernel.arg_names
     vals = [x, q, w.scales, w.global_scale, y, ids, ids[:nb], w.global_scale if gated else torch.zeros(1024),
             n, w.k, 1024, w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
             x.stride(0), y.stride(0), FP16_ACC_FACTOR, TOP_K, gated, False, True, block_m, cfg.block_n,
             cfg.block_k, False, cfg.asm, x.dtype == torch.float16, y.dtype == torch.float16, cfg.tma, cfg.sync_dots,
-            cfg.packed_scales, cfg.unroll, cfg.tile_major]
+            cfg.packed_scales, cfg.unroll, stack_tile[0] if stack_tile else 0]
     kw = dict(zip(names, vals))
     return cfg, _compile(m._moe_gemm_kernel, kw, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), False)
 
@@ -147,8 +154,8 @@ def main(argv=None) -> int:
                     "byte (MoEConfig.packed_scales=False, before 2026-12-07)")
     ap.add_argument("--unroll", type=int, default=1, help="the Triton kernel's K steps per loop trip "
                     "(MoEConfig.unroll)")
-    ap.add_argument("--tile-major", action="store_true", help="the Triton kernel over tile-major expert stacks "
-                    "(MoEConfig.tile_major: each trip's weight tile one contiguous run)")
+    ap.add_argument("--tile", default="", help="the Triton kernel over tile-major expert stacks of this tile, "
+                    "ROWSxK (e.g. 64x128; MoEConfig.tile_major: each trip's weight tile whole contiguous runs)")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--dump", default="")
     a = ap.parse_args(argv)
@@ -160,12 +167,12 @@ def main(argv=None) -> int:
         for bm in (int(v) for v in a.block_m.split(",")):
             for tiles in ([] if a.no_triton else a.triton_tiles.split(",") if a.triton_tiles else [""]):
                 sync = m.SYNC_DOTS['gate_up' if gated else 'down'] if a.sync_dots == 'heuristic' else a.sync_dots == 'on'
-                cfg, k = compile_triton(gated, bm, x_pre, tiles, sync, not a.byte_scales, a.unroll, a.tile_major)
+                cfg, k = compile_triton(gated, bm, x_pre, tiles, sync, not a.byte_scales, a.unroll, a.tile)
                 # one trip: block_n rows (x 2 gated) x block_k / 32 groups, unroll K steps
                 name = (f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                         f"{' tma' if cfg.tma else ''}{' sync-dots' if cfg.sync_dots else ''}"
                         f"{'' if cfg.packed_scales else ' byte-scales'}"
-                        f"{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}{' tile-major' if cfg.tile_major else ''}")
+                        f"{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}{f' tile-major {a.tile}' if cfg.tile_major else ''}")
                 report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32 * cfg.unroll, cfg.num_warps,
                        a.dump)
             if a.no_gluon:

@@ -134,7 +134,8 @@ class FP4KernelExperts:
         from megatron_qrl.kernels.moe_grouped_gemm import heuristic_moe_config
 
         w13 = self.runner.w13
-        return heuristic_moe_config(n_assign, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt).block_m
+        return heuristic_moe_config(n_assign, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt,
+                                    tile=w13.tile).block_m
 
     def route(self, logits: torch.Tensor, top_k: int, pre_softmax: bool = False,
               scaling_factor: Optional[float] = None, routed: Optional[torch.Tensor] = None):
@@ -152,7 +153,7 @@ class FP4KernelExperts:
         from megatron_qrl.kernels.moe_grouped_gemm import converts_input, heuristic_moe_config
 
         w13 = self.runner.w13
-        cfg = heuristic_moe_config(n_assign, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt)
+        cfg = heuristic_moe_config(n_assign, w13.num_experts, w13.n // 2, w13.k, True, w13.fmt, tile=w13.tile)
         return not self.w4a4 and converts_input(cfg, w13.fmt)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, active: torch.Tensor,
@@ -185,8 +186,8 @@ class FP4KernelExperts:
         flat = ids.reshape(-1).long()
         rows = x.unsqueeze(1).expand(B, k, x.shape[-1]).reshape(n, -1)
         xq, cap1 = self._quantize(rows, flat, e)
-        gu = replace(heuristic_moe_config(n, e, f, w13.k, True, w13.fmt), x_pre=False)
-        dn = replace(heuristic_moe_config(n, e, w2.n, w2.k, False, w2.fmt), x_pre=False)
+        gu = replace(heuristic_moe_config(n, e, f, w13.k, True, w13.fmt, tile=w13.tile), x_pre=False)
+        dn = replace(heuristic_moe_config(n, e, w2.n, w2.k, False, w2.fmt, tile=w2.tile), x_pre=False)
         if routing is not None and routing.block_m == gu.block_m:
             routing = replace(routing, n_tokens=n, top_k=1)
         else:

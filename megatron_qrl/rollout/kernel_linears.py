@@ -39,15 +39,19 @@ def kernels_wanted(setting, device: torch.device, dtype: torch.dtype, fmt: str) 
 
 
 def prepare(payload: FP4Tensor, stack: Optional[list[FP4Tensor]] = None):
-    """PreparedFP4Weight of one synced FP4 weight, or of a stack of experts' weights ([E, N, K])."""
+    """PreparedFP4Weight of one synced FP4 weight, or of a stack of experts' weights ([E, N, K]; tile-major when
+    moe_grouped_gemm.EXPERT_STACK_TILE names a tile)."""
     from megatron_qrl.kernels import prepare_weight
+    from megatron_qrl.kernels.layouts import tile_major_experts
+    from megatron_qrl.kernels.moe_grouped_gemm import EXPERT_STACK_TILE
 
     if stack is None:
         return prepare_weight(payload.format, payload.packed, payload.scales, payload.global_scale)
     gs = (torch.stack([p.global_scale.reshape(()).float() for p in stack]) if payload.global_scale is not None
           else None)
-    return prepare_weight(payload.format, torch.stack([p.packed for p in stack]),
-                          torch.stack([p.scales for p in stack]), gs)
+    w = prepare_weight(payload.format, torch.stack([p.packed for p in stack]), torch.stack([p.scales for p in stack]),
+                       gs)
+    return tile_major_experts(w, *EXPERT_STACK_TILE) if EXPERT_STACK_TILE else w
 
 
 def _dense_forward(lin, *, input, weight, bias=None, **_):
@@ -112,8 +116,8 @@ class GroupedExperts:
         probs = permuted_probs.reshape(-1).float()
         xb = x.to(torch.bfloat16)
         f = self.w13.n // 2
-        gu = heuristic_moe_config(n, e, f, self.w13.k, True, self.w13.fmt)
-        dn = heuristic_moe_config(n, e, self.w2.n, self.w2.k, False, self.w2.fmt)
+        gu = heuristic_moe_config(n, e, f, self.w13.k, True, self.w13.fmt, tile=self.w13.tile)
+        dn = heuristic_moe_config(n, e, self.w2.n, self.w2.k, False, self.w2.fmt, tile=self.w2.tile)
         if self.w4a4:
             # the fc2 input is quantized on its real value: no fp16-scaled intermediate
             gu, dn = replace(gu, x_pre=False), replace(dn, x_pre=False)
