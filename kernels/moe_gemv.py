@@ -82,7 +82,8 @@ def _moe_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, block_e
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)          # clamped: loads in bounds, stores masked
     g = tl.arange(0, GROUPS)
-    if TILE_N > 0:      # row n, group g of step t: K tile t * GROUPS / TILE_GROUPS + g // TILE_GROUPS of row tile n // TILE_N
+    if TILE_N > 0:
+        # row n, group g of step t: K tile t * GROUPS / TILE_GROUPS + g // TILE_GROUPS of row tile n // TILE_N
         k_tiles = K // (32 * TILE_GROUPS)
         row_w = (rows // TILE_N) * (k_tiles * TILE_N * 16 * TILE_GROUPS) + (rows % TILE_N) * (16 * TILE_GROUPS)
         row_s = (rows // TILE_N) * (k_tiles * TILE_N * 2 * TILE_GROUPS) + (rows % TILE_N) * (2 * TILE_GROUPS)

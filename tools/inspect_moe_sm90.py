@@ -172,7 +172,8 @@ def main(argv=None) -> int:
                 name = (f"triton {proj} bm{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                         f"{' tma' if cfg.tma else ''}{' sync-dots' if cfg.sync_dots else ''}"
                         f"{'' if cfg.packed_scales else ' byte-scales'}"
-                        f"{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}{f' tile-major {a.tile}' if cfg.tile_major else ''}")
+                        f"{f' unroll{cfg.unroll}' if cfg.unroll > 1 else ''}"
+                        f"{f' tile-major {a.tile}' if cfg.tile_major else ''}")
                 report(name, k, cfg.block_n * (2 if gated else 1) * cfg.block_k // 32 * cfg.unroll, cfg.num_warps,
                        a.dump)
             if a.no_gluon:
