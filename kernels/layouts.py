@@ -29,6 +29,10 @@ The global scale is folded with the kernel's constant exponent offsets (`global_
 
 All `prepare_*` functions are pure functions of the synced bytes: the engine calls them once per weight
 sync (after hashing the synced tensors) and keeps the result until the next sync.
+
+Expert stacks can also be held tile-major (`tile_major_experts`: each tile_n x tile_k tile of an expert one
+contiguous run of codes and one of scales, what one loop trip of the grouped kernels reads); the grouped
+tensor-core kernel and the MoE GEMV read that order too (`PreparedFP4Weight.tile` says which one a stack is in).
 """
 from __future__ import annotations
 
