@@ -533,6 +533,26 @@ def force_moe_tile_class(per_expert: float) -> None:
     moe.heuristic_moe_config = forced
 
 
+def apply_moe_experiments(a) -> None:
+    """The --moe-* experiment flags: the grouped expert kernels' module switches (moe_grouped_gemm), set before any
+    engine prepares its weights or captures its graphs."""
+    from megatron_qrl.kernels import moe_grouped_gemm as mg
+
+    if a.moe_tokens_per_expert:
+        force_moe_tile_class(a.moe_tokens_per_expert)
+    if a.moe_kernel != "default":
+        mg.GLUON_DEFAULT = a.moe_kernel == "gluon"
+    if a.moe_block32_from:
+        mg.BLOCK16_MAX_PER_EXPERT = a.moe_block32_from
+        mg.BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
+    if a.moe_sync_dots is not None:
+        mg.SYNC_DOTS.update(gate_up=a.moe_sync_dots != "off", down=a.moe_sync_dots == "both")
+    if a.moe_persistent is not None:
+        mg.PERSISTENT_GATE_UP_BLOCK16 = a.moe_persistent
+    if a.moe_tile_major:
+        mg.EXPERT_STACK_TILE = tuple(int(v) for v in a.moe_tile_major.split("x"))
+
+
 def run(a) -> dict:
     import torch
 
@@ -542,29 +562,7 @@ def run(a) -> dict:
         raise SystemExit("--tiny runs on the CPU: hide the GPU (CUDA_VISIBLE_DEVICES=)")
     base = make_cfg(a, a.layers[0], "bf16", max(a.batches))
     init_distributed(base)
-    if a.moe_tokens_per_expert:
-        force_moe_tile_class(a.moe_tokens_per_expert)
-    if a.moe_kernel != "default":
-        from megatron_qrl.kernels import moe_grouped_gemm
-
-        moe_grouped_gemm.GLUON_DEFAULT = a.moe_kernel == "gluon"
-    if a.moe_block32_from:
-        from megatron_qrl.kernels import moe_grouped_gemm
-
-        moe_grouped_gemm.BLOCK16_MAX_PER_EXPERT = a.moe_block32_from
-        moe_grouped_gemm.BLOCK32_NARROW_K_MAX_PER_EXPERT = 48.0
-    if a.moe_sync_dots is not None:
-        from megatron_qrl.kernels import moe_grouped_gemm
-
-        moe_grouped_gemm.SYNC_DOTS.update(gate_up=a.moe_sync_dots != "off", down=a.moe_sync_dots == "both")
-    if a.moe_persistent is not None:
-        from megatron_qrl.kernels import moe_grouped_gemm
-
-        moe_grouped_gemm.PERSISTENT_GATE_UP_BLOCK16 = a.moe_persistent
-    if a.moe_tile_major:
-        from megatron_qrl.kernels import moe_grouped_gemm
-
-        moe_grouped_gemm.EXPERT_STACK_TILE = tuple(int(v) for v in a.moe_tile_major.split("x"))
+    apply_moe_experiments(a)
     res = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
            "moe_tokens_per_expert": a.moe_tokens_per_expert, "moe_kernel": a.moe_kernel,
            "moe_block32_from": a.moe_block32_from, "moe_sync_dots": a.moe_sync_dots,
