@@ -136,7 +136,7 @@ if part sync48; then
 fi
 if part tile48; then
   for v in ${TILE48:-off 64x128}; do
-    OUT=$O/tile48_$v BENCH_TIMEOUT="${T_TILE48:-150}" bash tools/gpu_rollout.sh --layers 48 \
+    OUT=$O/tile48_$v BENCH_TIMEOUT="${T_TILE48:-160}" bash tools/gpu_rollout.sh --layers 48 \
       --batches "${LEAN48_BATCHES:-64,256}" --engines fp4 --reps 2 --hbm-tbs "${HBM_TBS:-4.0}" \
       $([ "$v" = off ] || echo "--moe-tile-major $v") 2>&1 | grep -v "^\[bench\]\|top kernels" | tail -8
   done
